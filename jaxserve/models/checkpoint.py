@@ -1,0 +1,224 @@
+"""Opening a checkpoint: a Hugging Face directory (safetensors) or a single GGUF file.
+
+Either way the result is a :class:`Checkpoint`: a :class:`ModelConfig`, the tensors under
+their Hugging Face names as numpy arrays (``[out, in]`` for linear weights, GGUF
+quantizations dequantized), and the tokenizer. No torch is needed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxserve.errors import ModelLoadError
+from jaxserve.models.config import ModelConfig, config_from_gguf, config_from_hf
+
+# GGUF quantization types we dequantize (and test against transformers).
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+
+# llama.cpp tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class Checkpoint:
+    """A model's config, named tensors and tokenizer, whatever the file format."""
+
+    config: ModelConfig
+    path: Path
+
+    def tensor_names(self) -> list[str]:
+        raise NotImplementedError
+
+    def read(self, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        for name in self.tensor_names():
+            yield name, self.read(name)
+
+    def tokenizer(self):
+        raise NotImplementedError
+
+
+class HFCheckpoint(Checkpoint):
+    """A Hugging Face model directory: config.json, *.safetensors, tokenizer files."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.path = path
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ModelLoadError(f"{path} is not a Hugging Face model directory: no config.json")
+        try:
+            raw = json.loads(config_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from None
+        raw = raw.get("text_config", raw) if "model_type" not in raw else raw
+        self.config = config_from_hf(raw)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            found = ", ".join(sorted(p.name for p in path.iterdir())[:8])
+            raise ModelLoadError(
+                f"no *.safetensors weights in {path} (found: {found}); "
+                "supported weight formats: safetensors, or a single .gguf file"
+            )
+        self._where: dict[str, Any] = {}
+        self._handles = []
+        for f in files:
+            try:
+                handle = safe_open(str(f), framework="numpy")
+            except Exception as e:  # safetensors raises its own error types
+                raise ModelLoadError(f"cannot read {f}: corrupt safetensors file ({e})") from None
+            self._handles.append(handle)
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+                self._where[name] = handle
+
+    def tensor_names(self) -> list[str]:
+        return list(self._where)
+
+    def read(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint in {self.path}")
+        try:
+            return self._where[name].get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"cannot read tensor {name!r} in {self.path}: {e}") from None
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        if not any((self.path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            raise ModelLoadError(
+                f"no tokenizer in {self.path}: expected tokenizer.json (or tokenizer.model, or vocab.json + merges.txt)"
+            )
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path))
+        except Exception as e:
+            raise ModelLoadError(f"cannot load the tokenizer from {self.path}: {e}") from None
+
+
+def _unpermute_llama_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's per-head row interleaving of q/k weights (for its rope layout)."""
+    head_dim_half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, head_dim_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A single GGUF file: metadata, possibly quantized tensors, tokenizer and chat template."""
+
+    def __init__(self, path: Path):
+        import gguf
+
+        self.path = path
+        try:
+            self._reader = gguf.GGUFReader(str(path))
+        except Exception as e:  # struct errors, ValueError on bad magic, memmap errors
+            raise ModelLoadError(f"cannot read {path}: not a valid GGUF file ({type(e).__name__}: {e})") from None
+        self.meta = {key: field.contents() for key, field in self._reader.fields.items()}
+        self._tensors: dict[str, Any] = {}
+        for t in self._reader.tensors:
+            self._tensors[self._hf_name(t.name)] = t
+        self.config = config_from_gguf(self.meta, {t.name for t in self._reader.tensors})
+        bad = sorted({t.tensor_type.name for t in self._reader.tensors} - set(SUPPORTED_GGUF_TYPES))
+        if bad:
+            raise ModelLoadError(
+                f"{path} uses unsupported GGUF tensor type(s) {', '.join(bad)}; "
+                f"supported: {', '.join(SUPPORTED_GGUF_TYPES)}"
+            )
+
+    @staticmethod
+    def _hf_name(name: str) -> str:
+        if name in _GGUF_GLOBAL_NAMES:
+            return _GGUF_GLOBAL_NAMES[name]
+        parts = name.split(".", 2)
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_LAYER_NAMES:
+            return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+        return name  # unknown tensors keep their name; the loader reports them if needed
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def read(self, name: str) -> np.ndarray:
+        import gguf
+
+        if name not in self._tensors:
+            raise ModelLoadError(f"tensor {name!r} is missing from {self.path}")
+        t = self._tensors[name]
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"cannot dequantize {t.name} ({t.tensor_type.name}) in {self.path}: {e}") from None
+        w = np.asarray(w, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
+        if self.meta.get("general.architecture") == "llama":
+            cfg = self.config
+            if name.endswith("q_proj.weight"):
+                w = _unpermute_llama_qk(w, cfg.num_heads)
+            elif name.endswith("k_proj.weight"):
+                w = _unpermute_llama_qk(w, cfg.num_kv_heads)
+        return w
+
+    def tokenizer(self):
+        # transformers' own GGUF tokenizer converters, fed from our metadata: its
+        # AutoTokenizer(gguf_file=...) path would import torch.
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            _SPECIAL_TOKENS,
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+
+        meta = self.meta
+        grouped = {
+            group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
+            for group, renames in GGUF_TOKENIZER_MAPPING.items()
+        }
+        tokenizer_dict, tokenizer_config = grouped["tokenizer"], grouped["tokenizer_config"]
+        if "tokens" not in tokenizer_dict:
+            raise ModelLoadError(f"{self.path} has no tokenizer (tokenizer.ggml.tokens is missing)")
+        if tokenizer_dict.get("tokenizer_type") == "llama":
+            tokenizer_config.setdefault("add_bos_token", True)
+        for name, key in _SPECIAL_TOKENS.items():
+            token_id = meta.get(f"tokenizer.ggml.{key}")
+            tokenizer_config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
+        backend, extra = convert_gguf_tokenizer(meta["general.architecture"], tokenizer_dict)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Opens a Hugging Face model directory or a ``.gguf`` file."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model path {str(path)!r} does not exist; give a Hugging Face model directory, "
+            "a .gguf file, or a known alias (see `jaxserve fetch --list`)"
+        )
+    if path.is_dir():
+        return HFCheckpoint(path)
+    if path.suffix == ".gguf":
+        return GGUFCheckpoint(path)
+    raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")

@@ -1,0 +1,97 @@
+"""Packing scheduled sequences into the fixed-shape flat ragged batch.
+
+Shapes are bucketed so every step hits a compiled program: T (tokens) is padded to a
+token bucket and S (sequences) to a sequence bucket; the page table has a fixed width.
+Both bucket lists come from :func:`make_buckets`. Padding tokens write to scratch page 0
+and padding sequences have no query tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import numpy as np
+
+SCRATCH_PAGE = 0
+
+
+def make_buckets(
+    max_num_batched_tokens: int, max_num_seqs: int, min_token_bucket: int = 16
+) -> tuple[list[int], list[int]]:
+    """Token buckets (powers of two from ``min_token_bucket``, then the max) and sequence buckets."""
+
+    def powers(lo: int, hi: int) -> list[int]:
+        out, b = [], lo
+        while b < hi:
+            out.append(b)
+            b *= 2
+        return out + [hi]
+
+    return powers(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens), powers(1, max_num_seqs)
+
+
+def pick_bucket(buckets: list[int], n: int) -> int:
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: ``token_ids`` at positions ``start ...``."""
+
+    token_ids: list[int]
+    start: int  # number of tokens already in the KV cache (num_computed_tokens)
+    pages: list[int]  # page ids covering at least start + len(token_ids) tokens
+
+
+@dataclasses.dataclass
+class PackedBatch:
+    """Host-side numpy arrays of one step, shapes already bucketed."""
+
+    input_ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    slot_mapping: np.ndarray  # [T] int32
+    query_start_loc: np.ndarray  # [S+1] int32
+    kv_lens: np.ndarray  # [S] int32
+    page_table: np.ndarray  # [S, pages_per_seq] int32
+    logits_indices: np.ndarray  # [S] int32
+    num_seqs: int
+    num_tokens: int
+
+
+def pack(
+    seqs: list[ScheduledSeq],
+    page_size: int,
+    pages_per_seq: int,
+    token_buckets: list[int],
+    seq_buckets: list[int],
+) -> PackedBatch:
+    num_tokens = sum(len(s.token_ids) for s in seqs)
+    t_pad = pick_bucket(token_buckets, num_tokens)
+    s_pad = pick_bucket(seq_buckets, len(seqs))
+    input_ids = np.zeros(t_pad, np.int32)
+    positions = np.zeros(t_pad, np.int32)
+    slot_mapping = np.zeros(t_pad, np.int32)  # padding -> scratch page 0
+    query_start_loc = np.full(s_pad + 1, num_tokens, np.int32)
+    kv_lens = np.zeros(s_pad, np.int32)
+    page_table = np.full((s_pad, pages_per_seq), SCRATCH_PAGE, np.int32)
+    logits_indices = np.zeros(s_pad, np.int32)
+    offset = 0
+    for i, s in enumerate(seqs):
+        n = len(s.token_ids)
+        pos = np.arange(s.start, s.start + n, dtype=np.int32)
+        pages = np.asarray(s.pages, np.int32)
+        input_ids[offset : offset + n] = s.token_ids
+        positions[offset : offset + n] = pos
+        slot_mapping[offset : offset + n] = pages[pos // page_size] * page_size + pos % page_size
+        query_start_loc[i] = offset
+        kv_lens[i] = s.start + n
+        page_table[i, : len(pages)] = pages
+        logits_indices[i] = offset + n - 1
+        offset += n
+    return PackedBatch(
+        input_ids, positions, slot_mapping, query_start_loc, kv_lens, page_table, logits_indices, len(seqs), num_tokens
+    )

@@ -1,0 +1,58 @@
+"""Per-request sampling parameters (plain Python; validated on construction)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.errors import RequestError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those
+    filters. A request with a ``seed`` gives the same tokens whatever else is batched.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checks = [
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
+            ("temperature", self.temperature >= 0, "a number >= 0 (0 = greedy)"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 = disabled)"),
+            ("top_p", 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "a number in [0, 1]"),
+            (
+                "seed",
+                self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+                "None or an integer in [0, 2**63)",
+            ),
+            (
+                "min_tokens",
+                isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+                "an integer in [0, max_tokens]",
+            ),
+            (
+                "stop_token_ids",
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "non-negative token ids",
+            ),
+        ]
+        for field, ok, allowed in checks:
+            if not ok:
+                raise RequestError(f"sampling_params.{field} = {getattr(self, field)!r}: must be {allowed}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0

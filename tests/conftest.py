@@ -1,0 +1,132 @@
+"""Shared fixtures: tiny random-weight transformers models and the real SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import pytest
+import torch
+
+from jaxserve.models.fetch import DEFAULT_MODEL, fetch
+
+TINY = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+
+
+def _tiny_hf_model(arch: str):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**TINY, tie_word_embeddings=False)
+        model = tf.LlamaForCausalLM(cfg)
+    elif arch == "llama3":  # Llama-3 rope scaling, tied embeddings, GQA 4:1
+        cfg = tf.LlamaConfig(
+            **{**TINY, "num_key_value_heads": 1, "max_position_embeddings": 1024},
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+        model = tf.LlamaForCausalLM(cfg)
+    elif arch == "mistral":  # sliding window shorter than the prompts
+        cfg = tf.MistralConfig(**TINY, sliding_window=24)
+        model = tf.MistralForCausalLM(cfg)
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(**TINY, tie_word_embeddings=True)
+        model = tf.Qwen2ForCausalLM(cfg)
+    elif arch == "qwen3":
+        cfg = tf.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
+        model = tf.Qwen3ForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    # Random init leaves biases at 0 and norms at 1: perturb everything so each weight matters.
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.08 * noise)
+    return model.eval()
+
+
+TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tiny_tokenizer():
+    """A byte-level BPE (about 300 tokens) trained on a few sentences, with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    text = ["The capital of France is Paris. Machine learning and deep learning are fun."] * 20
+    tok.train_from_iterator(text, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>", chat_template=TINY_CHAT_TEMPLATE
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Returns a function arch -> (directory with config.json + safetensors, HF model)."""
+    cache: dict[str, tuple] = {}
+
+    def make(arch: str):
+        if arch not in cache:
+            model = _tiny_hf_model(arch)
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model.save_pretrained(path)
+            _tiny_tokenizer().save_pretrained(path)
+            cache[arch] = (path, model)
+        return cache[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The real SmolLM2-135M-Instruct GGUF, fetched into the cache on first use."""
+    return fetch(DEFAULT_MODEL, quiet=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """transformers' own float32 load of the same GGUF: the oracle."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()
+    tok = AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+    return model, tok
+
+
+def rng_tokens(n: int, vocab: int, seed: int) -> list[int]:
+    return np.random.RandomState(seed).randint(0, vocab, size=n).tolist()

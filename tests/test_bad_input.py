@@ -1,0 +1,181 @@
+"""Bad input gives one clear error naming the problem and what is supported."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.errors import ConfigError, ModelLoadError, RequestError
+from jaxserve.models.checkpoint import open_checkpoint
+from jaxserve.models.fetch import fetch
+
+
+def _write_gguf(path, arch="llama", qtype=gguf.GGMLQuantizationType.F32):
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_context_length(128)
+    w.add_layer_norm_rms_eps(1e-5)
+    data = np.ones((4, 32), np.float32)
+    if qtype == gguf.GGMLQuantizationType.F32:
+        w.add_tensor("token_embd.weight", data)
+    else:
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        raw = np.zeros((4, 32 // block * nbytes), np.uint8)
+        w.add_tensor("token_embd.weight", raw, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist.*Hugging Face model directory, a .gguf file"):
+        open_checkpoint(tmp_path / "nope")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        open_checkpoint(tmp_path)
+
+
+def test_unsupported_hf_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(
+        ModelLoadError, match=r"unsupported architecture 'GPT2LMHeadModel'.*llama, mistral, qwen2, qwen3"
+    ):
+        open_checkpoint(tmp_path)
+
+
+def test_unsupported_rope_type(tiny_model_dir, tmp_path):
+    src, _ = tiny_model_dir("llama")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="unsupported rope type 'yarn'; supported: default, linear, llama3"):
+        open_checkpoint(tmp_path)
+
+
+def test_config_without_weights(tiny_model_dir, tmp_path):
+    src, _ = tiny_model_dir("llama")
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"no \*.safetensors weights.*pytorch_model.bin.*supported weight formats"):
+        open_checkpoint(tmp_path)
+
+
+def test_corrupt_safetensors(tiny_model_dir, tmp_path):
+    src, _ = tiny_model_dir("llama")
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ModelLoadError, match="corrupt safetensors"):
+        open_checkpoint(tmp_path)
+
+
+def test_missing_tensor(tiny_model_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    src, _ = tiny_model_dir("llama")
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="'model.layers.1.mlp.up_proj.weight' is missing"):
+        LLM(str(tmp_path), progress=False, num_pages=8)
+
+
+def test_directory_without_tokenizer(tiny_model_dir, tmp_path):
+    src, _ = tiny_model_dir("llama")
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    with pytest.raises(ModelLoadError, match="no tokenizer in .*: expected tokenizer.json"):
+        open_checkpoint(tmp_path).tokenizer()
+
+
+def test_unsupported_gguf_quant_type(tmp_path):
+    path = tmp_path / "q5.gguf"
+    _write_gguf(path, qtype=gguf.GGMLQuantizationType.Q5_0)
+    with pytest.raises(
+        ModelLoadError, match=r"unsupported GGUF tensor type\(s\) Q5_0; supported: F32, F16, BF16, Q8_0"
+    ):
+        open_checkpoint(path)
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    _write_gguf(path, arch="gpt2")
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'gpt2'; supported: llama"):
+        open_checkpoint(path)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_gguf(tmp_path, damage):
+    good = tmp_path / "good.gguf"
+    _write_gguf(good)
+    path = tmp_path / "bad.gguf"
+    raw = good.read_bytes()
+    path.write_bytes(b"not a gguf file at all" * 10 if damage == "garbage" else raw[: len(raw) // 2])
+    with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
+        open_checkpoint(path)
+
+
+def test_unknown_alias():
+    with pytest.raises(ModelLoadError, match="unknown model alias 'gpt-5'; known: smollm2-135m-instruct"):
+        fetch("gpt-5")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"page_size": 12}, "page_size = 12: must be one of 8, 16, 32, 64, 128"),
+        ({"dtype": "int4"}, "dtype = 'int4': must be one of float32, bfloat16, float16"),
+        ({"max_num_seqs": 0}, "max_num_seqs = 0: must be an integer >= 1"),
+        ({"attention_backend": "cuda"}, "attention_backend = 'cuda': must be one of reference"),
+        ({"page_sizes": 16}, "unknown engine option.*page_sizes.*allowed:.*page_size"),
+    ],
+)
+def test_bad_engine_options(options, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_options(**options)
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"max_tokens": 0}, r"max_tokens = 0: must be an integer >= 1"),
+        ({"temperature": -1.0}, r"temperature = -1.0: must be a number >= 0"),
+        ({"top_p": 0.0}, r"top_p = 0.0: must be a number in \(0, 1\]"),
+        ({"top_k": -2}, r"top_k = -2: must be an integer >= 0"),
+        ({"min_p": 1.5}, r"min_p = 1.5: must be a number in \[0, 1\]"),
+        ({"min_tokens": 5, "max_tokens": 2}, r"min_tokens = 5: must be an integer in \[0, max_tokens\]"),
+    ],
+)
+def test_bad_sampling_params(params, message):
+    with pytest.raises(RequestError, match=message):
+        SamplingParams(**params)
+
+
+def test_bad_prompts(tiny_model_dir):
+    path, _ = tiny_model_dir("llama")
+    llm = LLM(str(path), progress=False, num_pages=16, max_model_len=64)
+    with pytest.raises(RequestError, match="prompt is empty"):
+        llm.generate([""])
+    with pytest.raises(RequestError, match=r"token id 999 is out of range; allowed: 0..319"):
+        llm.generate([[1, 999]])
+    with pytest.raises(RequestError, match="prompt has 80 tokens; max_model_len is 64"):
+        llm.generate([[1] * 80])
+    with pytest.raises(RequestError, match=r"messages\[0\] must have string 'role' and 'content'"):
+        llm.generate([[{"role": "user"}]])
+    assert llm.pool.num_in_use == 0
+    out = llm.generate("The capital", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 3  # still serving after the errors

@@ -1,0 +1,73 @@
+"""The real SmolLM2-135M-Instruct GGUF against transformers loading the same file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.models.checkpoint import open_checkpoint
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers greater than 50.",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    return LLM(str(smollm2_path), dtype="float32", max_num_batched_tokens=64, max_num_seqs=1, progress=False)
+
+
+def test_every_dequantized_tensor_equals_transformers(smollm2_path, smollm2_hf):
+    hf_model, _ = smollm2_hf
+    ours = open_checkpoint(smollm2_path)
+    reference = {k: v.numpy() for k, v in hf_model.state_dict().items()}
+    names = ours.tensor_names()
+    assert len(names) == 272
+    for name in names:
+        got = ours.read(name)
+        assert name in reference, name
+        np.testing.assert_array_equal(got, reference[name], err_msg=name)
+
+
+def test_tokenizer_and_chat_template_match_transformers(llm, smollm2_hf):
+    _, hf_tok = smollm2_hf
+    for text in PROMPTS + ["émoji 😀 and 日本語 text"]:
+        messages = [{"role": "user", "content": text}]
+        expected = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert llm.encode(messages) == hf_tok.encode(expected, add_special_tokens=False)
+        assert llm.encode(text) == hf_tok.encode(text)
+
+
+def test_greedy_chat_continuations_match_transformers(llm, smollm2_hf):
+    hf_model, _ = smollm2_hf
+    for prompt in PROMPTS:
+        ids = llm.encode([{"role": "user", "content": prompt}])
+        out = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0.0))[0]
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=2)
+        assert out.token_ids == ref[0, len(ids) :].tolist(), prompt
+    assert llm.pool.num_in_use == 0
+
+
+def test_capital_of_france_is_paris(llm):
+    out = llm.generate(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=32, temperature=0.0)
+    )[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"
+    assert (
+        "".join(
+            llm.stream(
+                [{"role": "user", "content": "What is the capital of France?"}],
+                SamplingParams(max_tokens=32, temperature=0.0),
+            )
+        )
+        == out.text
+    )
