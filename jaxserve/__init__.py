@@ -3,14 +3,23 @@
 Map (arrows point down; nothing imports upward)::
 
     llm.py / cli.py        offline API and command line
-    engine/                page_pool, detokenizer (scheduler and step loop to come)
+    engine/                request, page_pool, scheduler (plain Python, no JAX), engine (step loop),
+                           detokenizer
     runner/                batch packing into buckets, jitted step, sampler, compile counter
     models/                config, checkpoint (HF safetensors + GGUF), loading, llama, fetch
     attention/             backend interface + AttentionMetadata
     pallas_kernels/        (top-level package) ragged paged attention: reference, kernels
 """
 
-from jaxserve.llm import LLM, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # Lazy, so that `import jaxserve.engine.scheduler` stays free of JAX.
+    if name in ("LLM", "RequestOutput"):
+        from jaxserve import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -21,6 +21,10 @@ class EngineConfig:
     max_model_len: int | None = None  # the model's context, capped at 8192
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 32
+    # Smallest token bucket. On XLA:CPU a matmul's rows are bitwise identical for every
+    # row count >= 64, so 64 makes a request's tokens independent of what else is batched
+    # (at the cost of 64 rows of work for a lone decode). None = min(64, max_num_batched_tokens).
+    min_token_bucket: int | None = None
     attention_backend: str = "reference"
     cache_dir: str | None = None
 
@@ -43,6 +47,12 @@ class EngineConfig:
         need("max_model_len", self.max_model_len is None or positive_int(self.max_model_len), "an integer >= 1")
         need("max_num_batched_tokens", positive_int(self.max_num_batched_tokens), "an integer >= 1")
         need("max_num_seqs", positive_int(self.max_num_seqs), "an integer >= 1")
+        need(
+            "min_token_bucket",
+            self.min_token_bucket is None
+            or (positive_int(self.min_token_bucket) and self.min_token_bucket <= self.max_num_batched_tokens),
+            "an integer in [1, max_num_batched_tokens]",
+        )
         need("attention_backend", self.attention_backend in ("reference",), "one of reference")
 
     @classmethod

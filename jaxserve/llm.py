@@ -1,27 +1,26 @@
 """Offline API: ``LLM(model).generate(prompts, SamplingParams(...))``.
 
-Every token goes through the KV pages and the jitted step the server will use. In this
-version requests run one after another; each prompt is prefilled in chunks of up to
-``max_num_batched_tokens`` tokens, then decoded one token per step.
+All prompts are submitted at once and run with continuous batching and chunked prefill
+through the same engine, KV pages and jitted step the server uses.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.engine import Engine
 from jaxserve.engine.page_pool import PagePool
+from jaxserve.engine.request import Request
+from jaxserve.engine.scheduler import Scheduler
 from jaxserve.errors import ConfigError, RequestError
 from jaxserve.models.checkpoint import open_checkpoint
 from jaxserve.models.fetch import resolve_model
 from jaxserve.models.loading import default_dtype, load_model
-from jaxserve.runner.batch import ScheduledSeq
 from jaxserve.runner.model_runner import ModelRunner, RunnerConfig
 from jaxserve.sampling_params import SamplingParams
 
@@ -34,8 +33,25 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    finish_reason: str  # "stop" (EOS, a stop token or a stop string), "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
     cumulative_logprob: float = 0.0
+    logprobs: list[float] | None = None  # of each generated token (when params.logprobs is set)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def _output(r: Request) -> RequestOutput:
+    want = r.params.logprobs is not None
+    return RequestOutput(
+        prompt_token_ids=r.prompt_token_ids,
+        token_ids=list(r.output_token_ids),
+        text=r.output_text,
+        finish_reason=r.finish_reason or "abort",
+        stop_reason=r.stop_reason,
+        cumulative_logprob=float(sum(r.output_logprobs)),
+        logprobs=list(r.output_logprobs) if want else None,
+        top_logprobs=list(r.output_top_logprobs) if want else None,
+    )
 
 
 class LLM:
@@ -47,6 +63,7 @@ class LLM:
         *,
         config: EngineConfig | None = None,
         progress: bool = True,
+        keep_step_records: bool = False,
         **engine_options: Any,
     ):
         if config is not None and engine_options:
@@ -80,12 +97,17 @@ class LLM:
                 max_model_len=self.max_model_len,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 max_num_seqs=cfg.max_num_seqs,
+                min_token_bucket=cfg.min_token_bucket or min(64, cfg.max_num_batched_tokens),
                 attention_backend=cfg.attention_backend,
             ),
         )
         self.eos_token_ids = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.scheduler = Scheduler(self.pool, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len)
+        self.engine = Engine(
+            self.runner, self.scheduler, self.tokenizer, self.eos_token_ids, keep_step_records=keep_step_records
+        )
 
     # -- prompts -------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -120,70 +142,45 @@ class LLM:
         return list(prompts)
 
     # -- generation ----------------------------------------------------------------
-    def _run(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[tuple[int, float, str | None]]:
-        """Yields (token, logprob, finish_reason or None) for each generated token."""
-        if len(prompt_ids) >= self.max_model_len:
-            raise RequestError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}")
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        tokens = list(prompt_ids)
-        pages: list[int] = []
-        computed = 0
-        budget = self.config.max_num_batched_tokens
-        try:
-            while True:
-                chunk = tokens[computed : computed + budget]
-                need = self.pool.pages_needed(computed + len(chunk)) - len(pages)
-                if need > 0:
-                    pages += self.pool.allocate(need)
-                token, logprob = self.runner.execute([ScheduledSeq(chunk, computed, pages)], [params], [seed])
-                computed += len(chunk)
-                if computed < len(tokens):
-                    continue  # a prefill chunk: its sample is not a new token
-                token, logprob = int(token[0]), float(logprob[0])
-                tokens.append(token)
-                generated = len(tokens) - len(prompt_ids)
-                finish = None
-                if token in stop_ids and generated > params.min_tokens:
-                    finish = "stop"
-                elif generated >= params.max_tokens or len(tokens) >= self.max_model_len:
-                    finish = "length"
-                yield token, logprob, finish
-                if finish:
-                    return
-        finally:
-            self.pool.release(pages)
+    def _check_length(self, ids: list[int]) -> None:
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
 
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None
     ) -> list[RequestOutput]:
-        """Generates a completion for each prompt; outputs are in prompt order."""
+        """Generates a completion for each prompt with continuous batching; outputs in prompt order."""
         params = sampling_params or SamplingParams()
         encoded = [self.encode(p) for p in self._as_list(prompts)]
-        outputs = []
         for ids in encoded:
-            out = RequestOutput(ids, [], "", "length")
-            detok = IncrementalDetokenizer(self.tokenizer, ids)
-            for token, logprob, finish in self._run(ids, params):
-                if not (finish == "stop" and token in self.eos_token_ids | set(params.stop_token_ids)):
-                    out.text += detok.add(token)
-                out.token_ids.append(token)
-                out.cumulative_logprob += logprob
-                out.finish_reason = finish or out.finish_reason
-            outputs.append(out)
-        return outputs
+            self._check_length(ids)
+        requests = [self.engine.add_request(ids, params) for ids in encoded]
+        try:
+            while self.engine.has_unfinished():
+                self.engine.step()
+        finally:
+            for r in requests:
+                self.engine.abort(r.request_id)  # no-op for finished ones; frees pages on error
+        return [_output(r) for r in requests]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields text deltas of one completion as tokens are generated."""
         ids = self.encode(prompt)
-        detok = IncrementalDetokenizer(self.tokenizer, ids)
-        params = sampling_params or SamplingParams()
-        for token, _, finish in self._run(ids, params):
-            if finish == "stop":
-                return
-            delta = detok.add(token)
-            if delta:
-                yield delta
+        self._check_length(ids)
+        request = self.engine.add_request(ids, sampling_params or SamplingParams())
+        sent = 0
+        try:
+            while not request.status.is_finished:
+                self.engine.step()
+                if len(request.output_text) > sent:
+                    yield request.output_text[sent:]
+                    sent = len(request.output_text)
+        finally:
+            self.engine.abort(request.request_id)
+
+    def stats(self) -> dict[str, int]:
+        """Counters: steps, prefill_tokens_computed, decode_tokens, num_preemptions, num_compiles, pages_*."""
+        return self.engine.stats()
 
     @property
     def platform(self) -> str:

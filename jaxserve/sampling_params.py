@@ -6,6 +6,10 @@ import dataclasses
 
 from jaxserve.errors import RequestError
 
+MAX_STOP_TOKEN_IDS = 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -24,8 +28,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # also return the top-n logprobs at each position (n <= 20)
+    stop: tuple[str, ...] = ()  # stop strings, matched across token boundaries
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         checks = [
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
@@ -56,3 +70,7 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0

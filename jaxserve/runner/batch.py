@@ -17,9 +17,14 @@ SCRATCH_PAGE = 0
 
 
 def make_buckets(
-    max_num_batched_tokens: int, max_num_seqs: int, min_token_bucket: int = 16
+    max_num_batched_tokens: int, max_num_seqs: int, min_token_bucket: int = 64
 ) -> tuple[list[int], list[int]]:
-    """Token buckets (powers of two from ``min_token_bucket``, then the max) and sequence buckets."""
+    """Token buckets (powers of two from ``min_token_bucket``, then the max) and sequence buckets.
+
+    Sequence buckets start at 2: on XLA:CPU a one-row matmul (the LM head of a lone
+    request) rounds differently from 2..32 rows, which would make a request's logits
+    depend on whether it runs alone.
+    """
 
     def powers(lo: int, hi: int) -> list[int]:
         out, b = [], lo
@@ -28,7 +33,9 @@ def make_buckets(
             b *= 2
         return out + [hi]
 
-    return powers(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens), powers(1, max_num_seqs)
+    return powers(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens), powers(
+        min(2, max_num_seqs), max_num_seqs
+    )
 
 
 def pick_bucket(buckets: list[int], n: int) -> int:

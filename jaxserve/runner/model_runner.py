@@ -19,7 +19,7 @@ from jaxserve.attention import AttentionMetadata, kv_cache_shape
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.runner import compile_counter
 from jaxserve.runner.batch import PackedBatch, ScheduledSeq, make_buckets, pack
-from jaxserve.runner.sampler import SamplingMetadata, sample
+from jaxserve.runner.sampler import MAX_BLOCKED, SamplerOutput, SamplingMetadata, sample
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -30,6 +30,7 @@ class RunnerConfig:
     max_model_len: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    min_token_bucket: int = 64
     attention_backend: str = "reference"
 
     @property
@@ -39,6 +40,21 @@ class RunnerConfig:
 
 def _seed32(seed: int) -> int:
     return (seed ^ (seed >> 32)) & 0xFFFFFFFF
+
+
+@dataclasses.dataclass
+class SeqSampling:
+    """What the sampler needs to know about one scheduled sequence."""
+
+    params: SamplingParams
+    seed: int
+    history: list[int] | None = None  # prompt + output ids, only when penalties are on
+    num_prompt_tokens: int = 0
+    blocked_ids: tuple[int, ...] = ()  # stop ids masked while under min_tokens
+
+
+def greedy(n: int) -> list[SeqSampling]:
+    return [SeqSampling(SamplingParams(temperature=0.0), 0) for _ in range(n)]
 
 
 class ModelRunner:
@@ -52,14 +68,15 @@ class ModelRunner:
             cfg.attention_backend, mcfg.num_layers, cfg.num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim
         )
         self.kv_cache = jnp.zeros(shape, dtype)
-        self.token_buckets, self.seq_buckets = make_buckets(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.token_buckets, self.seq_buckets = make_buckets(
+            cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.min_token_bucket
+        )
         backend = cfg.attention_backend
 
         def step(state, kv_cache, md: AttentionMetadata, smd: SamplingMetadata):
             model = nnx.merge(self.graphdef, state)
             logits, kv_cache = model(kv_cache, md, backend)
-            tokens, logprobs = sample(logits, smd)
-            return kv_cache, tokens, logprobs
+            return kv_cache, sample(logits, smd)
 
         def forward(state, kv_cache, md: AttentionMetadata):
             model = nnx.merge(self.graphdef, state)
@@ -84,24 +101,48 @@ class ModelRunner:
             logits_indices=b.logits_indices,
         )
 
-    def execute(
-        self, seqs: list[ScheduledSeq], params: list[SamplingParams], seeds: list[int]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Runs one step; returns the sampled token and its logprob for each sequence."""
+    def _sampling_md(self, sampling: list[SeqSampling], s_pad: int, positions: np.ndarray) -> SamplingMetadata:
+        f32 = np.float32
+        arrays = {
+            "temperature": np.zeros(s_pad, f32),
+            "top_k": np.zeros(s_pad, np.int32),
+            "top_p": np.ones(s_pad, f32),
+            "min_p": np.zeros(s_pad, f32),
+            "repetition_penalty": np.ones(s_pad, f32),
+            "presence_penalty": np.zeros(s_pad, f32),
+            "frequency_penalty": np.zeros(s_pad, f32),
+        }
+        seeds = np.zeros(s_pad, np.uint32)
+        history = np.full((s_pad, self.cfg.max_model_len), -1, np.int32)
+        num_prompt = np.zeros(s_pad, np.int32)
+        blocked = np.full((s_pad, MAX_BLOCKED), -1, np.int32)
+        num_logprobs = np.zeros(s_pad, np.int32)
+        for i, x in enumerate(sampling):
+            for name, arr in arrays.items():
+                arr[i] = getattr(x.params, name)
+            seeds[i] = _seed32(x.seed)
+            if x.history is not None:
+                history[i, : len(x.history)] = x.history
+                num_prompt[i] = x.num_prompt_tokens
+            blocked[i, : len(x.blocked_ids)] = x.blocked_ids
+            num_logprobs[i] = x.params.logprobs or 0
+        return SamplingMetadata(
+            **arrays,
+            seeds=seeds,
+            positions=positions,
+            token_history=history,
+            num_prompt_tokens=num_prompt,
+            blocked_ids=blocked,
+            num_logprobs=num_logprobs,
+        )
+
+    def execute(self, seqs: list[ScheduledSeq], sampling: list[SeqSampling]) -> SamplerOutput:
+        """Runs one step; returns the sampler's output (numpy) for the real sequences."""
         b = self.pack(seqs)
-        s_pad = len(b.kv_lens)
-        temperature = np.zeros(s_pad, np.float32)
-        top_k = np.zeros(s_pad, np.int32)
-        top_p = np.ones(s_pad, np.float32)
-        min_p = np.zeros(s_pad, np.float32)
-        seed_arr = np.zeros(s_pad, np.uint32)
-        for i, (p, seed) in enumerate(zip(params, seeds, strict=True)):
-            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-            seed_arr[i] = _seed32(seed)
-        smd = SamplingMetadata(temperature, top_k, top_p, min_p, seed_arr, b.kv_lens.copy())
-        self.kv_cache, tokens, logprobs = self._step(self.state, self.kv_cache, self._attention_md(b), smd)
+        smd = self._sampling_md(sampling, len(b.kv_lens), b.kv_lens.copy())
+        self.kv_cache, out = self._step(self.state, self.kv_cache, self._attention_md(b), smd)
         n = b.num_seqs
-        return np.asarray(tokens)[:n], np.asarray(logprobs)[:n]
+        return jax.tree.map(lambda a: np.asarray(a)[:n], out)
 
     def logits(self, seqs: list[ScheduledSeq]) -> np.ndarray:
         """Logits of every token row (for tests against a reference model)."""
@@ -114,9 +155,10 @@ class ModelRunner:
         """Compiles the step for every (token bucket, sequence bucket) pair."""
         pairs = [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
         for t, s in tqdm(pairs, desc="compiling step buckets", disable=not progress, leave=False):
-            seqs = [ScheduledSeq([0] * (t - s + 1), 0, [0] * self.cfg.pages_per_seq)]
-            seqs += [ScheduledSeq([0], 0, [0]) for _ in range(s - 1)]
-            self.execute(seqs, [SamplingParams(temperature=0.0)] * s, [0] * s)
+            # s sequences sharing t tokens, every page the scratch page: hits bucket (t, s).
+            sizes = [t // s + (i < t % s) for i in range(s)]
+            seqs = [ScheduledSeq([0] * n, 0, [0] * self.cfg.pages_per_seq) for n in sizes]
+            self.execute(seqs, greedy(s))
 
     @property
     def num_compiles(self) -> int:

@@ -1,0 +1,175 @@
+"""Continuous batching with chunked prefill inside a per-step token budget (plain Python).
+
+Every step:
+  1. decodes first: each running request past its prefill gets one token;
+  2. then prefill chunks: running requests still prefilling, then waiting ones (FCFS),
+     each taking ``min(tokens left, budget left)``, until ``max_num_batched_tokens`` or
+     ``max_num_seqs`` is reached. Several chunks may share a step with the decodes.
+Pages are allocated as tokens are scheduled and freed whole when a request ends. When a
+decode needs a page and none is free, the most recently admitted running request is
+preempted (its pages freed; it recomputes later) instead of failing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from jaxserve.engine.page_pool import PagePool
+from jaxserve.engine.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]]  # (request, num_scheduled_tokens), batch order
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0
+    preempted: list[Request] = dataclasses.field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int):
+        self.pool = pool
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is the preemption victim
+        self.num_preemptions = 0
+
+    # -- requests in and out ---------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort(self, request: Request) -> None:
+        if request.status.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Ends a running request (e.g. a stop string matched) and frees its pages."""
+        if request in self.running:
+            self.running.remove(request)
+            self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.pool.release(request.pages)
+        request.pages = []
+
+    def _grow(self, request: Request, num_new_tokens: int) -> bool:
+        """Makes the request's pages cover ``num_computed + num_new_tokens`` tokens."""
+        need = self.pool.pages_needed(request.num_computed_tokens + num_new_tokens) - len(request.pages)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free:
+            return False
+        request.pages += self.pool.allocate(need)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.pool.release(request.pages)
+        request.pages = []
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- one step --------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(scheduled=[])
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        # 1. Decodes, oldest first; preempt the newest when a page is missing.
+        for request in list(self.running):
+            if request not in self.running or not request.is_prefill_done or budget == 0:
+                continue
+            while not self._grow(request, 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            out.scheduled.append((request, 1))
+            scheduled_ids.add(id(request))
+            out.num_decode_tokens += 1
+            budget -= 1
+
+        # 2. Prefill chunks of running requests, then admit waiting ones (FCFS).
+        for request in self.running:
+            if budget == 0:
+                break
+            if id(request) in scheduled_ids or request.is_prefill_done:
+                continue
+            n = min(request.num_tokens_to_compute, budget)
+            if not self._grow(request, n):
+                break
+            out.scheduled.append((request, n))
+            scheduled_ids.add(id(request))
+            out.num_prefill_tokens += n
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            n = min(request.num_tokens_to_compute, budget)
+            if not self._grow(request, n):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, n))
+            out.num_prefill_tokens += n
+            budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput, tokens: list[int], logprobs: list[float]) -> list[Request]:
+        """Applies one step's sampled tokens; returns the requests that finished."""
+        finished = []
+        for (request, n), token, logprob in zip(out.scheduled, tokens, logprobs, strict=True):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += n
+            if request.num_tokens_to_compute > 0:
+                continue  # a prefill chunk that is not the last: its sample is no token
+            request.output_token_ids.append(token)
+            request.output_logprobs.append(logprob)
+            status = self._stop_status(request, token)
+            if status is not None:
+                if status is RequestStatus.FINISHED_STOPPED:
+                    request.stop_reason = token
+                self.running.remove(request)
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.params
+        generated = len(request.output_token_ids)
+        if token in request.stop_token_ids and generated > params.min_tokens:
+            return RequestStatus.FINISHED_STOPPED
+        if generated >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        owned = [p for r in self.running for p in r.pages]
+        assert len(owned) == len(set(owned)), "a page is owned by two running requests"
+        assert all(not r.pages for r in self.waiting), "a waiting request holds pages"
+        assert len(owned) == self.pool.num_in_use, "pages in use that no running request owns"
+        assert len(self.running) <= self.max_num_seqs
