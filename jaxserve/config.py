@@ -26,6 +26,7 @@ class EngineConfig:
     # (at the cost of 64 rows of work for a lone decode). None = min(64, max_num_batched_tokens).
     min_token_bucket: int | None = None
     attention_backend: str = "reference"
+    static_batching: bool = False  # baseline for benchmarks: no request joins a running batch
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:

@@ -104,7 +104,9 @@ class LLM:
         self.eos_token_ids = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.scheduler = Scheduler(self.pool, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len)
+        self.scheduler = Scheduler(
+            self.pool, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len, cfg.static_batching
+        )
         self.engine = Engine(
             self.runner, self.scheduler, self.tokenizer, self.eos_token_ids, keep_step_records=keep_step_records
         )

@@ -37,8 +37,8 @@ def _naive(q, k_seq, v_seq, kv_len, window):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
-@pytest.mark.parametrize("window", [0, 6])
-def test_reference_matches_naive(case, num_heads, num_kv_heads, head_dim, window):
+@pytest.mark.parametrize("window, block_q", [(0, 16), (6, 4)])
+def test_reference_matches_naive(case, num_heads, num_kv_heads, head_dim, window, block_q):
     rng = np.random.RandomState(0)
     seqs = CASES[case] or [(q, q + rng.randint(0, 30)) for q in rng.randint(1, 12, size=5)]
     page_size, num_pages, pages_per_seq = 4, 64, 16
@@ -60,7 +60,7 @@ def test_reference_matches_naive(case, num_heads, num_kv_heads, head_dim, window
         for pos in range(kv_len):
             slot = pages[pos // page_size] * page_size + pos % page_size
             if pos < kv_len - q_len:  # cached before this step
-                kv_cache[1, slot // page_size, slot % page_size] = np.concatenate([k_seq[pos], v_seq[pos]])
+                kv_cache[:, 1, slot // page_size, slot % page_size] = np.concatenate([k_seq[pos], v_seq[pos]])
             else:  # written by this step
                 new_k.append(k_seq[pos]), new_v.append(v_seq[pos]), slots.append(slot)
         q_all[qsl[-1] : qsl[-1] + q_len] = q
@@ -86,13 +86,15 @@ def test_reference_matches_naive(case, num_heads, num_kv_heads, head_dim, window
         np.int32(window),
         sm_scale=head_dim**-0.5,
         block_pages=2,
+        block_q=block_q,
     )
     out = np.asarray(out)
     np.testing.assert_allclose(out[: qsl[-1]], np.concatenate(expected), atol=2e-5, rtol=1e-5)
     assert np.all(out[qsl[-1] :] == 0)
     # Layer 0 untouched (still all NaN); layer 1's written slots hold exactly the new K/V.
-    assert np.isnan(np.asarray(cache)[0]).all()
-    written = np.asarray(cache)[1, slot_mapping[: len(slots)] // page_size, slot_mapping[: len(slots)] % page_size]
+    assert np.isnan(np.asarray(cache)[:, 0]).all()
+    written = np.asarray(cache)[:, 1, slot_mapping[: len(slots)] // page_size, slot_mapping[: len(slots)] % page_size]
+    written = written.transpose(1, 0, 2)  # [2*Hkv, n, D] -> [n, 2*Hkv, D]
     np.testing.assert_array_equal(written, np.concatenate([k_new, v_new], axis=1)[: len(slots)])
 
 
@@ -103,7 +105,7 @@ def test_extra_kv_blocks_do_not_change_a_token_bitwise():
     cache = rng.randn(*get_kv_cache_shape(1, 32, page_size, 2, d)).astype(np.float32)
     q = rng.randn(2, 4, d).astype(np.float32)
     pt = np.arange(1, 17, dtype=np.int32).reshape(2, 8)
-    args = {"sm_scale": 0.25, "block_pages": 1}
+    args = {"sm_scale": 0.25, "block_pages": 1, "block_q": 4}
     alone = ref_ragged_paged_attention(
         q[:1], cache, np.int32(0), np.asarray([5, 0], np.int32), pt, np.asarray([0, 1, 1], np.int32), 0, **args
     )

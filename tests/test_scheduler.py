@@ -114,3 +114,26 @@ def test_abort_frees_pages():
     assert a.status is RequestStatus.FINISHED_ABORTED and sched.pool.num_in_use == 0
     assert not sched.has_unfinished()
     sched.check_integrity()
+
+
+def test_static_batching_admits_nobody_until_the_batch_is_done():
+    sched = Scheduler(
+        PagePool(200, 4), max_num_batched_tokens=64, max_num_seqs=2, max_model_len=64, static_batching=True
+    )
+    reqs = [_request(0, 4, 2), _request(1, 4, 8), _request(2, 4, 2)]
+    for r in reqs:
+        sched.add(r)
+    records = _run(sched)
+    joined = next(i for i, rec in enumerate(records) if any(rid == "r2" for rid, _, _ in rec))
+    last_r1 = max(i for i, rec in enumerate(records) if any(rid == "r1" for rid, _, _ in rec))
+    assert joined > last_r1  # r2 waited for r1 although r0 had left long before
+
+
+def test_two_long_prompts_in_a_pool_that_fits_one_at_a_time():
+    sched = Scheduler(PagePool(21, 4), max_num_batched_tokens=16, max_num_seqs=4, max_model_len=80)
+    reqs = [_request(0, 70, 3), _request(1, 70, 3)]
+    for r in reqs:
+        sched.add(r)
+    _run(sched)
+    assert all(len(r.output_token_ids) == 3 for r in reqs)
+    assert sched.pool.num_in_use == 0

@@ -71,3 +71,24 @@ def test_capital_of_france_is_paris(llm):
         )
         == out.text
     )
+
+
+def test_batch_equivalence_on_smollm2(smollm2_path):
+    """A CI-sized cut of the batch-equivalence workload on the real model (the full 48
+    requests x 600 tokens run is scripts/check_batch_equivalence.py)."""
+    import random
+
+    llm = LLM(str(smollm2_path), dtype="float32", max_num_seqs=16, max_num_batched_tokens=64, progress=False)
+    rng = random.Random(1)
+    work = [
+        ([rng.randrange(3, 49152) for _ in range(n)], SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+        for n, m in [(1, 24), (300, 1), (150, 16), (70, 20), (5, 12), (220, 8), (64, 24), (33, 6)]
+    ]
+    alone = [llm.generate([ids], p)[0].token_ids for ids, p in work]
+    reqs = [llm.engine.add_request(ids, p) for ids, p in work]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        llm.scheduler.check_integrity()
+    batched = [r.output_token_ids for r in reqs]
+    assert batched == alone
+    assert llm.stats()["pages_free"] == llm.stats()["pages_total"]

@@ -32,8 +32,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int):
+    def __init__(
+        self,
+        pool: PagePool,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        static_batching: bool = False,
+    ):
+        """``static_batching`` (for comparison only): a batch of up to ``max_num_seqs``
+        requests is admitted, and no other joins until every one of them has finished."""
         self.pool = pool
+        self.static_batching = static_batching
+        self._batch_slots_left = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -89,52 +100,67 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # -- one step --------------------------------------------------------------------
+    def _reserve(self, request: Request, num_new_tokens: int, out: SchedulerOutput) -> bool:
+        """Pages for ``num_new_tokens`` more tokens, preempting the newest running requests
+        (undoing their share of this step) until they fit. False if ``request`` itself went."""
+        while not self._grow(request, num_new_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            for i, (r, n) in enumerate(out.scheduled):
+                if r is victim:
+                    del out.scheduled[i]
+                    if n == 1 and victim.output_token_ids:
+                        out.num_decode_tokens -= 1
+                    else:
+                        out.num_prefill_tokens -= n
+                    break
+            if victim is request:
+                return False
+        return True
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(scheduled=[])
-        budget = self.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
+
+        def budget() -> int:
+            return self.max_num_batched_tokens - out.num_decode_tokens - out.num_prefill_tokens
 
         # 1. Decodes, oldest first; preempt the newest when a page is missing.
         for request in list(self.running):
-            if request not in self.running or not request.is_prefill_done or budget == 0:
+            if request not in self.running or not request.is_prefill_done or budget() == 0:
                 continue
-            while not self._grow(request, 1):
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            out.scheduled.append((request, 1))
-            scheduled_ids.add(id(request))
-            out.num_decode_tokens += 1
-            budget -= 1
+            if self._reserve(request, 1, out):
+                out.scheduled.append((request, 1))
+                out.num_decode_tokens += 1
 
         # 2. Prefill chunks of running requests, then admit waiting ones (FCFS).
-        for request in self.running:
-            if budget == 0:
+        scheduled = {id(r) for r, _ in out.scheduled}
+        for request in list(self.running):
+            if budget() == 0:
                 break
-            if id(request) in scheduled_ids or request.is_prefill_done:
+            if request not in self.running or id(request) in scheduled or request.is_prefill_done:
                 continue
-            n = min(request.num_tokens_to_compute, budget)
-            if not self._grow(request, n):
-                break
-            out.scheduled.append((request, n))
-            scheduled_ids.add(id(request))
-            out.num_prefill_tokens += n
-            budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            n = min(request.num_tokens_to_compute, budget())
+            if self._reserve(request, n, out):
+                out.scheduled.append((request, n))
+                out.num_prefill_tokens += n
+        if self.static_batching and not self.running:
+            self._batch_slots_left = self.max_num_seqs  # the previous batch is done: open a new one
+        while self.waiting and budget() > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            n = min(request.num_tokens_to_compute, budget)
+            is_new = request.status is RequestStatus.WAITING
+            if self.static_batching and is_new and self._batch_slots_left == 0:
+                break
+            n = min(request.num_tokens_to_compute, budget())
             if not self._grow(request, n):
                 break
+            if is_new:
+                self._batch_slots_left -= 1
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append((request, n))
             out.num_prefill_tokens += n
-            budget -= n
         return out
 
     def update(self, out: SchedulerOutput, tokens: list[int], logprobs: list[float]) -> list[Request]:

@@ -1,0 +1,108 @@
+"""Offline throughput: jaxserve (continuous batching) vs the same engine in static batching
+vs Hugging Face transformers `generate` with padding, on one workload, in one run.
+
+Workload: N requests with uniformly drawn prompt and output lengths (EOS ignored so every
+request produces exactly its output length). Prints output tok/s and total (prompt +
+output) tok/s for each system and the ratios. Needs torch + transformers (the test extra).
+
+    python scripts/bench_offline.py [--requests 32] [--prompt 100:300] [--output 16:128] [--hf-batch 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+
+
+def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int, seed: int = 0):
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*output)) for _ in range(n)]
+
+
+def bench_jaxserve(model: str, work, static: bool, args) -> float:
+    from jaxserve import LLM, SamplingParams
+
+    llm = LLM(
+        model,
+        progress=False,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        static_batching=static,
+    )
+    llm.runner.warmup(progress=False)
+    compiles = llm.stats()["num_compiles"]
+    reqs = []
+    t0 = time.perf_counter()
+    for ids, m in work:
+        reqs.append(llm.engine.add_request(ids, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)))
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    elapsed = time.perf_counter() - t0
+    assert [len(r.output_token_ids) for r in reqs] == [m for _, m in work]
+    stats = llm.stats()
+    print(
+        f"  {'static' if static else 'continuous'}: {stats['steps']} steps, compiles after warm-up {stats['num_compiles'] - compiles}"
+    )
+    return elapsed
+
+
+def bench_hf(path, work, batch: int) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    t0 = time.perf_counter()
+    for i in range(0, len(work), batch):
+        chunk = work[i : i + batch]
+        width = max(len(ids) for ids, _ in chunk)
+        input_ids = torch.tensor([[2] * (width - len(ids)) + ids for ids, _ in chunk])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in chunk])
+        with torch.no_grad():
+            model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=max(m for _, m in chunk),
+                do_sample=False,
+                pad_token_id=2,
+                eos_token_id=None,
+            )
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    from jaxserve.models.fetch import fetch
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt", default="100:300")
+    ap.add_argument("--output", default="16:128")
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    span = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
+    path = fetch("smollm2-135m-instruct", quiet=True)
+    work = workload(args.requests, span(args.prompt), span(args.output), 49152)
+    prompt_tokens = sum(len(ids) for ids, _ in work)
+    output_tokens = sum(m for _, m in work)
+    print(f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens, SmolLM2 float32")
+    results = {
+        "jaxserve (continuous batching)": bench_jaxserve(str(path), work, False, args),
+        "jaxserve (static batching)": bench_jaxserve(str(path), work, True, args),
+    }
+    if not args.skip_hf:
+        results[f"transformers generate (batch {args.hf_batch}, padded)"] = bench_hf(path, work, args.hf_batch)
+    base = results["jaxserve (continuous batching)"]
+    print(f"{'system':45s} {'seconds':>8s} {'output tok/s':>13s} {'total tok/s':>12s} {'jaxserve is':>12s}")
+    for name, sec in results.items():
+        print(
+            f"{name:45s} {sec:8.1f} {output_tokens / sec:13.1f} {(prompt_tokens + output_tokens) / sec:12.1f} {sec / base:11.2f}x"
+        )
+    print("command: python " + " ".join(sys.argv))
+
+
+if __name__ == "__main__":
+    main()

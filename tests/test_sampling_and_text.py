@@ -1,0 +1,177 @@
+"""Sampler features on a tiny model, and the engine's text path with a scripted runner."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.page_pool import PagePool
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.runner.sampler import MAX_BLOCKED, MAX_LOGPROBS, SamplerOutput, SamplingMetadata, _process
+from tests.conftest import rng_tokens
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    path, hf = tiny_model_dir("qwen2")
+    llm = LLM(str(path), dtype="float32", page_size=8, num_pages=128, max_num_batched_tokens=64, progress=False)
+    return llm, hf
+
+
+def test_logprobs_match_transformers(tiny):
+    llm, hf = tiny
+    ids = rng_tokens(20, hf.config.vocab_size, seed=11)
+    out = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=5))[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids + out.token_ids])).logits[0].double()
+    ref = torch.log_softmax(logits, -1)[len(ids) - 1 : -1].numpy()
+    for i, token in enumerate(out.token_ids):
+        assert abs(out.logprobs[i] - ref[i, token]) < 1e-4
+        top = out.top_logprobs[i]
+        assert len(top) == 5 and top[0][0] == token  # greedy: the sampled token is the best
+        assert [t for t, _ in top] == list(np.argsort(-ref[i])[:5])
+        assert all(abs(lp - ref[i, t]) < 1e-4 for t, lp in top)
+
+
+def test_min_tokens_blocks_stop_tokens(tiny):
+    llm, hf = tiny
+    ids = rng_tokens(12, hf.config.vocab_size, seed=12)
+    free = llm.generate([ids], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
+    first = free[0]
+    stopped = llm.generate(
+        [ids], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stop_token_ids=[first])
+    )[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop" and stopped.stop_reason == first
+    held = llm.generate(
+        [ids], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, stop_token_ids=[first], min_tokens=3)
+    )[0]
+    assert first not in held.token_ids[:3]
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(tiny):
+    llm, hf = tiny
+    ids = rng_tokens(15, hf.config.vocab_size, seed=13)
+    greedy = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids
+    for p in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
+        sampled = llm.generate([ids], SamplingParams(max_tokens=8, temperature=1.5, seed=3, ignore_eos=True, **p))[0]
+        assert sampled.token_ids == greedy, p
+    hot = llm.generate([ids] * 4, SamplingParams(max_tokens=8, temperature=5.0, ignore_eos=True))
+    assert len({tuple(o.token_ids) for o in hot}) > 1  # unseeded requests draw differently
+
+
+def test_penalties_match_a_numpy_reference():
+    rng = np.random.RandomState(0)
+    s, vocab, h = 3, 11, 9
+    logits = rng.randn(s, vocab).astype(np.float32)
+    hist = np.full((s, h), -1, np.int32)
+    hist[0, :6] = [1, 2, 2, 5, 5, 5]
+    hist[1, :4] = [3, 3, 4, 4]
+    num_prompt = np.array([2, 1, 0], np.int32)
+    rep, pres, freq = (
+        np.array([1.3, 0.7, 1.0], np.float32),
+        np.array([0.5, 0.0, 0.2], np.float32),
+        np.array([0.1, 0.4, 0.0], np.float32),
+    )
+    blocked = np.full((s, MAX_BLOCKED), -1, np.int32)
+    blocked[2, :2] = [7, 8]
+    md = SamplingMetadata(
+        temperature=np.zeros(s, np.float32),
+        top_k=np.zeros(s, np.int32),
+        top_p=np.ones(s, np.float32),
+        min_p=np.zeros(s, np.float32),
+        repetition_penalty=rep,
+        presence_penalty=pres,
+        frequency_penalty=freq,
+        seeds=np.zeros(s, np.uint32),
+        positions=np.zeros(s, np.int32),
+        token_history=hist,
+        num_prompt_tokens=num_prompt,
+        blocked_ids=blocked,
+        num_logprobs=np.zeros(s, np.int32),
+    )
+    got = np.asarray(_process(logits, md))
+    want = logits.copy()
+    for i in range(s):
+        toks = [t for t in hist[i] if t >= 0]
+        out = toks[num_prompt[i] :]
+        for t in set(toks):
+            want[i, t] = want[i, t] / rep[i] if want[i, t] > 0 else want[i, t] * rep[i]
+        for t in set(out):
+            want[i, t] -= freq[i] * out.count(t) + pres[i]
+    want[2, [7, 8]] = -np.inf
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+class ScriptedRunner:
+    """Stands in for the ModelRunner: request k's i-th sample is scripts[k][i]."""
+
+    num_compiles = 0
+
+    def __init__(self, scripts: dict[int, list[int]]):
+        self.scripts = scripts
+
+    def execute(self, seqs, sampling):
+        tokens = []
+        for seq, x in zip(seqs, sampling, strict=True):
+            script = self.scripts[x.seed]
+            num_prompt = self.prompt_len[x.seed]
+            tokens.append(script[min(seq.start + len(seq.token_ids) - num_prompt, len(script) - 1)])
+        n = len(tokens)
+        return SamplerOutput(
+            np.asarray(tokens), np.zeros(n), np.zeros((n, MAX_LOGPROBS), np.int32), np.zeros((n, MAX_LOGPROBS))
+        )
+
+
+@pytest.fixture
+def scripted(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    path, _ = tiny_model_dir("llama")
+    tok = AutoTokenizer.from_pretrained(str(path))
+
+    def run(texts: list[str], params: SamplingParams):
+        prompt = tok.encode("Prompt:", add_special_tokens=False)
+        scripts = {k: tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for k, t in enumerate(texts)}
+        runner = ScriptedRunner(scripts)
+        runner.prompt_len = {k: len(prompt) for k in scripts}
+        engine = Engine(runner, Scheduler(PagePool(64, 4), 16, 4, 256), tok, {tok.eos_token_id})
+        reqs = [engine.add_request(prompt, SamplingParams(**{**params.__dict__, "seed": k})) for k in range(len(texts))]
+        deltas = {r.request_id: [] for r in reqs}
+        seen = {r.request_id: 0 for r in reqs}
+        while engine.has_unfinished():
+            engine.step()
+            for r in reqs:
+                deltas[r.request_id].append(r.output_text[seen[r.request_id] :])
+                seen[r.request_id] = len(r.output_text)
+        assert engine.scheduler.pool.num_in_use == 0
+        return reqs, [deltas[r.request_id] for r in reqs], tok
+
+    return run
+
+
+def test_streamed_emoji_and_cjk_are_exact(scripted):
+    text = "Paris 😀 is 日本語, 🇫🇷 and café — ok"
+    (req,), (deltas,), tok = scripted([text], SamplingParams(max_tokens=100, temperature=0.0))
+    assert len(tok.encode(text, add_special_tokens=False)) > len(text)  # multi-byte chars span tokens
+    assert req.output_text == text == "".join(deltas)
+    assert not any("\ufffd" in d for d in deltas)
+    assert req.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_split_across_tokens(scripted, include):
+    texts = ["Hello world, STOP here and more", "Hello S world STO and STOP", "no stop in this one at all"]
+    params = SamplingParams(max_tokens=100, temperature=0.0, stop=["STOP", "xyz"], include_stop_str_in_output=include)
+    reqs, deltas, tok = scripted(texts, params)
+    assert len(tok.encode("STOP", add_special_tokens=False)) > 1  # the stop spans several tokens
+    suffix = "STOP" if include else ""
+    assert [r.output_text for r in reqs] == ["Hello world, " + suffix, "Hello S world STO and " + suffix, texts[2]]
+    assert [r.stop_reason for r in reqs][:2] == ["STOP", "STOP"]
+    assert [r.finish_reason for r in reqs] == ["stop", "stop", "stop"]
+    for r, d in zip(reqs, deltas, strict=True):
+        assert "".join(d) == r.output_text
+        if not include:  # a prefix of the stop string was never emitted, then taken back
+            assert all("STOP" not in x for x in d)
