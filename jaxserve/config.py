@@ -27,6 +27,10 @@ class EngineConfig:
     min_token_bucket: int | None = None
     attention_backend: str = "reference"
     static_batching: bool = False  # baseline for benchmarks: no request joins a running batch
+    enable_prefix_caching: bool = True
+    prefix_match: str = "token"  # token (radix, exact divergence point) | page (whole pages only)
+    schedule_policy: str = "fcfs"  # fcfs | lpm (longest cached prefix first, with aging)
+    lpm_aging_steps: int = 64  # lpm: a request waiting this many steps goes first
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -55,6 +59,11 @@ class EngineConfig:
             "an integer in [1, max_num_batched_tokens]",
         )
         need("attention_backend", self.attention_backend in ("reference",), "one of reference")
+        need("prefix_match", self.prefix_match in ("token", "page"), "one of token, page")
+        need("schedule_policy", self.schedule_policy in ("fcfs", "lpm"), "one of fcfs, lpm")
+        need("lpm_aging_steps", positive_int(self.lpm_aging_steps), "an integer >= 1")
+        for key in ("static_batching", "enable_prefix_caching"):
+            need(key, isinstance(getattr(self, key), bool), "true or false")
 
     @classmethod
     def from_yaml(cls, path: str, **overrides) -> EngineConfig:

@@ -15,6 +15,7 @@ import jax
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.page_pool import PagePool
+from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.errors import ConfigError, RequestError
@@ -36,6 +37,7 @@ class RequestOutput:
     finish_reason: str  # "stop" (EOS, a stop token or a stop string), "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     cumulative_logprob: float = 0.0
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     logprobs: list[float] | None = None  # of each generated token (when params.logprobs is set)
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
@@ -49,6 +51,7 @@ def _output(r: Request) -> RequestOutput:
         finish_reason=r.finish_reason or "abort",
         stop_reason=r.stop_reason,
         cumulative_logprob=float(sum(r.output_logprobs)),
+        num_cached_tokens=r.num_cached_tokens,
         logprobs=list(r.output_logprobs) if want else None,
         top_logprobs=list(r.output_top_logprobs) if want else None,
     )
@@ -105,7 +108,14 @@ class LLM:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(
-            self.pool, cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_model_len, cfg.static_batching
+            self.pool,
+            cfg.max_num_batched_tokens,
+            cfg.max_num_seqs,
+            self.max_model_len,
+            static_batching=cfg.static_batching,
+            prefix_cache=PrefixCache(self.pool, cfg.prefix_match) if cfg.enable_prefix_caching else None,
+            schedule_policy=cfg.schedule_policy,
+            lpm_aging_steps=cfg.lpm_aging_steps,
         )
         self.engine = Engine(
             self.runner, self.scheduler, self.tokenizer, self.eos_token_ids, keep_step_records=keep_step_records

@@ -24,9 +24,16 @@ def main() -> int:
     ap.add_argument("--max-prompt", type=int, default=600)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--num-pages", type=int, default=0, help="0 = derived; e.g. 61 forces preemption")
+    ap.add_argument("--prefix-caching", action="store_true", help="off by default: this checks batching")
     args = ap.parse_args()
 
-    opts = dict(dtype="float32", max_num_seqs=16, max_num_batched_tokens=64, progress=False)
+    opts = dict(
+        dtype="float32",
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        progress=False,
+        enable_prefix_caching=args.prefix_caching,
+    )
     if args.num_pages:
         opts["num_pages"] = args.num_pages
     llm = LLM(args.model, **opts)

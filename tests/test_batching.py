@@ -31,6 +31,7 @@ def _make_llm(path, **kw) -> LLM:
         num_pages=800,
         progress=False,
         keep_step_records=True,
+        enable_prefix_caching=False,  # batching alone here; caching has its own tests
     )
     opts.update(kw)
     llm = LLM(str(path), **opts)

@@ -53,7 +53,7 @@ def test_greedy_chat_continuations_match_transformers(llm, smollm2_hf):
         with torch.no_grad():
             ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=2)
         assert out.token_ids == ref[0, len(ids) :].tolist(), prompt
-    assert llm.pool.num_in_use == 0
+    assert llm.stats()["pages_held_by_requests"] == 0
 
 
 def test_capital_of_france_is_paris(llm):
@@ -78,7 +78,14 @@ def test_batch_equivalence_on_smollm2(smollm2_path):
     requests x 600 tokens run is scripts/check_batch_equivalence.py)."""
     import random
 
-    llm = LLM(str(smollm2_path), dtype="float32", max_num_seqs=16, max_num_batched_tokens=64, progress=False)
+    llm = LLM(
+        str(smollm2_path),
+        dtype="float32",
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        progress=False,
+    )
     rng = random.Random(1)
     work = [
         ([rng.randrange(3, 49152) for _ in range(n)], SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
@@ -92,3 +99,38 @@ def test_batch_equivalence_on_smollm2(smollm2_path):
     batched = [r.output_token_ids for r in reqs]
     assert batched == alone
     assert llm.stats()["pages_free"] == llm.stats()["pages_total"]
+
+
+def test_prefix_caching_keeps_greedy_outputs_identical(smollm2_path):
+    """Shared system prompt and multi-turn chat: caching off / page / token give the same tokens."""
+    system = {
+        "role": "system",
+        "content": "You are a meticulous assistant for a geography quiz. Answer in one short sentence, "
+        "name the country when relevant, and never add commentary beyond the answer itself.",
+    }
+    questions = ["What is the capital of France?", "What is the capital of Japan?", "Which ocean is the largest?"]
+    turns = ["Name a river there.", "And a mountain?"]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    results = {}
+    for mode in ("off", "page", "token"):
+        opts = {"enable_prefix_caching": False} if mode == "off" else {"prefix_match": mode}
+        llm = LLM(str(smollm2_path), dtype="float32", max_num_batched_tokens=64, progress=False, **opts)
+        shared = [
+            o.token_ids for o in llm.generate([[system, {"role": "user", "content": q}] for q in questions], params)
+        ]
+        chats = [[system, {"role": "user", "content": q}] for q in questions[:2]]
+        history = []
+        for turn in [None, *turns]:
+            if turn is not None:
+                for chat in chats:
+                    chat.append({"role": "user", "content": turn})
+            outs = llm.generate(chats, params)
+            history.append([o.token_ids for o in outs])
+            for chat, o in zip(chats, outs, strict=True):
+                chat.append({"role": "assistant", "content": o.text})
+        results[mode] = (shared, history)
+        if mode == "token":
+            assert llm.stats()["prefix_cache_hit_tokens"] > 0
+            llm.scheduler.check_integrity()
+    assert results["page"] == results["off"]
+    assert results["token"] == results["off"]

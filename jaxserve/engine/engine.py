@@ -127,6 +127,8 @@ class Engine:
             start = request.num_computed_tokens
             seqs.append(ScheduledSeq(request.all_token_ids[start : start + n], start, request.pages))
             sampling.append(self._sampling(request))
+        if out.page_copies:
+            self.runner.copy_pages(out.page_copies)
         result = self.runner.execute(seqs, sampling)
         before = {id(r): len(r.output_token_ids) for r, _ in out.scheduled}
         self.scheduler.update(out, result.tokens.tolist(), result.logprobs.tolist())
@@ -155,8 +157,14 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         pool = self.scheduler.pool
+        cache = self.scheduler.cache
+        held_by_requests = {p for r in self.scheduler.running for p in r.pages}
         return {
             **self.counters,
+            "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
+            "prefix_cache_queried_tokens": cache.queried_tokens if cache else 0,
+            "pages_held_by_requests": len(held_by_requests),
+            "pages_cached_only": pool.num_in_use - len(held_by_requests),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compiles": self.runner.num_compiles,
             "pages_total": pool.num_usable,

@@ -47,6 +47,9 @@ class Request:
     num_computed_tokens: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at admission
+    cache_node: object = None  # the radix node this request holds locked (prefix cache)
+    arrival: int = 0  # scheduler step at which it arrived (lpm aging)
     output_text: str = ""  # text emitted so far (never a partial character or a possible stop)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 

@@ -2,12 +2,17 @@
 
 Every step:
   1. decodes first: each running request past its prefill gets one token;
-  2. then prefill chunks: running requests still prefilling, then waiting ones (FCFS),
-     each taking ``min(tokens left, budget left)``, until ``max_num_batched_tokens`` or
+  2. then prefill chunks: running requests still prefilling, then waiting ones, each
+     taking ``min(tokens left, budget left)``, until ``max_num_batched_tokens`` or
      ``max_num_seqs`` is reached. Several chunks may share a step with the decodes.
-Pages are allocated as tokens are scheduled and freed whole when a request ends. When a
-decode needs a page and none is free, the most recently admitted running request is
-preempted (its pages freed; it recomputes later) instead of failing.
+Pages are allocated as tokens are scheduled and freed whole when a request ends. When
+pages run out, unreferenced cached prefixes are evicted first; then the most recently
+admitted running request is preempted (its pages freed; it recomputes later, reusing
+what the prefix cache still holds) instead of failing.
+
+Admission order: ``fcfs``, or ``lpm`` (longest cached prefix first) with an aging bound:
+a request that has waited ``lpm_aging_steps`` steps goes first, so cache-cold requests
+are never starved by a stream of cache-hot ones.
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ import dataclasses
 from collections import deque
 
 from jaxserve.engine.page_pool import PagePool
+from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.request import Request, RequestStatus
+
+SCHEDULE_POLICIES = ("fcfs", "lpm")
 
 
 @dataclasses.dataclass
@@ -25,10 +33,18 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
     preempted: list[Request] = dataclasses.field(default_factory=list)
+    page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst), before the step
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n, limit = 0, min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
 
 
 class Scheduler:
@@ -39,10 +55,18 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         static_batching: bool = False,
+        prefix_cache: PrefixCache | None = None,
+        schedule_policy: str = "fcfs",
+        lpm_aging_steps: int = 64,
     ):
         """``static_batching`` (for comparison only): a batch of up to ``max_num_seqs``
         requests is admitted, and no other joins until every one of them has finished."""
+        if schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy {schedule_policy!r} is not one of: {', '.join(SCHEDULE_POLICIES)}")
         self.pool = pool
+        self.cache = prefix_cache
+        self.schedule_policy = schedule_policy
+        self.lpm_aging_steps = lpm_aging_steps
         self.static_batching = static_batching
         self._batch_slots_left = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -51,9 +75,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the preemption victim
         self.num_preemptions = 0
+        self.num_steps = 0
 
     # -- requests in and out ---------------------------------------------------------
     def add(self, request: Request) -> None:
+        request.arrival = self.num_steps
         self.waiting.append(request)
 
     def abort(self, request: Request) -> None:
@@ -75,15 +101,22 @@ class Scheduler:
             self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        if self.cache is not None:
+            if status is not RequestStatus.FINISHED_ABORTED:
+                self.cache.publish(request)  # prompt + output so far: the next turn reuses it
+            self.cache.detach(request)
         request.status = status
         self.pool.release(request.pages)
         request.pages = []
 
     def _grow(self, request: Request, num_new_tokens: int) -> bool:
-        """Makes the request's pages cover ``num_computed + num_new_tokens`` tokens."""
+        """Makes the request's pages cover ``num_computed + num_new_tokens`` tokens,
+        evicting unreferenced cached prefixes if the pool is short."""
         need = self.pool.pages_needed(request.num_computed_tokens + num_new_tokens) - len(request.pages)
         if need <= 0:
             return True
+        if need > self.pool.num_free and self.cache is not None:
+            self.cache.evict(need)
         if need > self.pool.num_free:
             return False
         request.pages += self.pool.allocate(need)
@@ -91,6 +124,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        if self.cache is not None:
+            self.cache.detach(request)
         self.pool.release(request.pages)
         request.pages = []
         request.num_computed_tokens = 0
@@ -99,7 +134,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    # -- one step --------------------------------------------------------------------
     def _reserve(self, request: Request, num_new_tokens: int, out: SchedulerOutput) -> bool:
         """Pages for ``num_new_tokens`` more tokens, preempting the newest running requests
         (undoing their share of this step) until they fit. False if ``request`` itself went."""
@@ -119,8 +153,56 @@ class Scheduler:
                 return False
         return True
 
+    # -- admission -------------------------------------------------------------------
+    def _admission_order(self) -> list[Request]:
+        if self.schedule_policy == "fcfs" or self.cache is None:
+            return list(self.waiting)
+        aged = [r for r in self.waiting if self.num_steps - r.arrival >= self.lpm_aging_steps]
+        fresh = [r for r in self.waiting if self.num_steps - r.arrival < self.lpm_aging_steps]
+        fresh.sort(key=lambda r: -self.cache.match_length(r))  # stable: FCFS among equals
+        return aged + fresh
+
+    def _shares_uncached_prefix(self, request: Request) -> bool:
+        """True if a running request is still prefilling a prefix this one shares beyond
+        what is cached: admitting it now would compute that prefix twice."""
+        if self.cache is None:
+            return False
+        cached = self.cache.match_length(request)
+        tokens = request.all_token_ids
+        for other in self.running:
+            if not other.is_prefill_done:
+                shared = _common_prefix(tokens, other.prompt_token_ids)
+                if shared - cached >= self.pool.page_size:
+                    return True
+        return False
+
+    def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> bool:
+        """Moves a waiting request into the batch with a first chunk; False if it cannot."""
+        if request.num_computed_tokens == 0 and self.cache is not None:
+            copy = self.cache.attach(request)
+        else:
+            copy = None
+        n = min(request.num_tokens_to_compute, budget)
+        if not self._grow(request, n):
+            if self.cache is not None:  # undo the attach: try again later
+                self.cache.unattach(request)
+            self.pool.release(request.pages)
+            request.pages = []
+            request.num_computed_tokens = 0
+            return False
+        if copy is not None:
+            out.page_copies.append(copy)
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append((request, n))
+        out.num_prefill_tokens += n
+        return True
+
+    # -- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(scheduled=[])
+        self.num_steps += 1
 
         def budget() -> int:
             return self.max_num_batched_tokens - out.num_decode_tokens - out.num_prefill_tokens
@@ -133,7 +215,7 @@ class Scheduler:
                 out.scheduled.append((request, 1))
                 out.num_decode_tokens += 1
 
-        # 2. Prefill chunks of running requests, then admit waiting ones (FCFS).
+        # 2. Prefill chunks of running requests, then admit waiting ones.
         scheduled = {id(r) for r, _ in out.scheduled}
         for request in list(self.running):
             if budget() == 0:
@@ -146,21 +228,18 @@ class Scheduler:
                 out.num_prefill_tokens += n
         if self.static_batching and not self.running:
             self._batch_slots_left = self.max_num_seqs  # the previous batch is done: open a new one
-        while self.waiting and budget() > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        for request in self._admission_order():
+            if budget() == 0 or len(self.running) >= self.max_num_seqs:
+                break
             is_new = request.status is RequestStatus.WAITING
             if self.static_batching and is_new and self._batch_slots_left == 0:
                 break
-            n = min(request.num_tokens_to_compute, budget())
-            if not self._grow(request, n):
+            if self._shares_uncached_prefix(request):
+                continue  # wait for the running request to cache the shared prefix
+            if not self._admit(request, out, budget()):
                 break
             if is_new:
                 self._batch_slots_left -= 1
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append((request, n))
-            out.num_prefill_tokens += n
         return out
 
     def update(self, out: SchedulerOutput, tokens: list[int], logprobs: list[float]) -> list[Request]:
@@ -171,7 +250,11 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += n
             if request.num_tokens_to_compute > 0:
-                continue  # a prefill chunk that is not the last: its sample is no token
+                if self.cache is not None:
+                    self.cache.publish(request)  # a prefill chunk: cache what is computed so far
+                continue  # its sample is not a token
+            if self.cache is not None and n > 1:
+                self.cache.publish(request)
             request.output_token_ids.append(token)
             request.output_logprobs.append(logprob)
             status = self._stop_status(request, token)
@@ -193,9 +276,18 @@ class Scheduler:
         return None
 
     def check_integrity(self) -> None:
+        """Pool, tree and requests agree: every page reference is accounted for."""
         self.pool.check_integrity()
-        owned = [p for r in self.running for p in r.pages]
-        assert len(owned) == len(set(owned)), "a page is owned by two running requests"
+        refs: dict[int, int] = {}
+        if self.cache is not None:
+            self.cache.index.check_integrity()
+            refs = self.cache.index.page_refs()
+        for r in self.running:
+            for p in r.pages:
+                refs[p] = refs.get(p, 0) + 1
         assert all(not r.pages for r in self.waiting), "a waiting request holds pages"
-        assert len(owned) == self.pool.num_in_use, "pages in use that no running request owns"
+        for p in range(1, self.pool.num_pages):
+            assert self.pool.refcounts[p] == refs.get(p, 0), (
+                f"page {p}: refcount {self.pool.refcounts[p]} != {refs.get(p, 0)} users"
+            )
         assert len(self.running) <= self.max_num_seqs

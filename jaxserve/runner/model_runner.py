@@ -83,7 +83,11 @@ class ModelRunner:
             logits, kv_cache = model(kv_cache, md, backend)
             return kv_cache, logits
 
+        def copy_pages(kv_cache, src, dst):
+            return kv_cache.at[:, :, dst].set(kv_cache[:, :, src])  # every layer and head
+
         self._step = jax.jit(step, donate_argnums=(1,))
+        self._copy_pages = jax.jit(copy_pages, donate_argnums=(0,))
         self._forward = jax.jit(forward, donate_argnums=(1,))
 
     def pack(self, seqs: list[ScheduledSeq]) -> PackedBatch:
@@ -136,6 +140,17 @@ class ModelRunner:
             num_logprobs=num_logprobs,
         )
 
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copies whole pages (copy-on-write of prefix-cache pages) before the next step.
+        Padded to ``max_num_seqs`` copies (scratch page onto itself) so it compiles once."""
+        width = self.cfg.max_num_seqs
+        for i in range(0, len(copies), width):
+            part = copies[i : i + width]
+            src = np.zeros(width, np.int32)
+            dst = np.zeros(width, np.int32)
+            src[: len(part)], dst[: len(part)] = zip(*part, strict=True)
+            self.kv_cache = self._copy_pages(self.kv_cache, src, dst)
+
     def execute(self, seqs: list[ScheduledSeq], sampling: list[SeqSampling]) -> SamplerOutput:
         """Runs one step; returns the sampler's output (numpy) for the real sequences."""
         b = self.pack(seqs)
@@ -159,6 +174,7 @@ class ModelRunner:
             sizes = [t // s + (i < t % s) for i in range(s)]
             seqs = [ScheduledSeq([0] * n, 0, [0] * self.cfg.pages_per_seq) for n in sizes]
             self.execute(seqs, greedy(s))
+        self.copy_pages([(0, 0)])
 
     @property
     def num_compiles(self) -> int:
