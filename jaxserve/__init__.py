@@ -2,9 +2,11 @@
 
 Map (arrows point down; nothing imports upward)::
 
-    llm.py / cli.py        offline API and command line
-    engine/                request, page_pool, scheduler (plain Python, no JAX), engine (step loop),
-                           detokenizer
+    cli.py                 jaxserve fetch | generate | run
+    server/, client.py     gRPC servicer, validation, health/reflection/metrics, drain; client
+    llm.py                 offline API
+    engine/                request, page_pool, radix_index, prefix_cache, scheduler (plain
+                           Python, no JAX), engine (step loop), async_engine, detokenizer
     runner/                batch packing into buckets, jitted step, sampler, compile counter
     models/                config, checkpoint (HF safetensors + GGUF), loading, llama, fetch
     attention/             backend interface + AttentionMetadata

@@ -1,4 +1,4 @@
-"""Command line: ``jaxserve fetch`` and ``jaxserve generate``."""
+"""Command line: ``jaxserve fetch | generate | run``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,59 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from jaxserve.llm import LLM
+    from jaxserve.server.config import load_run_config
+    from jaxserve.server.server import Server
+
+    engine_cfg, server_cfg = load_run_config(args.config, args.set or [])
+    if args.cache_dir:
+        import dataclasses
+
+        engine_cfg = dataclasses.replace(engine_cfg, cache_dir=args.cache_dir)
+    llm = LLM(config=engine_cfg, progress=not args.quiet)
+    server = Server(llm, server_cfg, engine_cfg.model, progress=not args.quiet)
+
+    async def main() -> None:
+        await server.start()
+        print(f"jaxserve: serving {engine_cfg.model} on {server_cfg.host}:{server.port}", flush=True)
+        loop = asyncio.get_running_loop()
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, server.request_stop)
+        await server.wait_and_drain()
+
+    asyncio.run(main())
+    print("jaxserve: stopped", flush=True)
+    return 0
+
+
+def _cmd_generate_remote(args: argparse.Namespace) -> int:
+    from jaxserve.client import Client
+
+    prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
+    sampling = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+    }
+    if args.seed is not None:
+        sampling["seed"] = args.seed
+    with Client(args.server) as client:
+        for msg in client.stream(prompt, **sampling):
+            sys.stdout.write(msg.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.server:
+        return _cmd_generate_remote(args)
     from jaxserve.config import EngineConfig
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
@@ -40,6 +92,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def grpc_errors() -> tuple[type[BaseException], ...]:
+    try:
+        import grpc
+
+        return (grpc.RpcError,)
+    except ImportError:  # pragma: no cover
+        return ()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxserve", description="LLM inference on JAX/XLA")
     parser.add_argument("--cache-dir", default=None, help="model cache (default: $XDG_CACHE_HOME/jaxserve)")
@@ -52,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("generate", help="generate a completion and stream it to the terminal")
     p.add_argument("prompt")
+    p.add_argument("--server", default=None, help="ADDR of a running `jaxserve run` (host:port)")
     p.add_argument("--config", default=None, help="YAML file of engine options (see configs/)")
     p.add_argument(
         "--model", default=None, help=f"alias (default {DEFAULT_MODEL}), Hugging Face directory or .gguf file"
@@ -66,9 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_generate)
 
+    p = sub.add_parser("run", help="serve a model over gRPC")
+    p.add_argument("--config", default=None, help="YAML file: engine options plus a server: section")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (server.port=50052)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_run)
+
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except grpc_errors() as e:
+        print(f"jaxserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2
     except JaxServeError as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
         return 2

@@ -76,7 +76,7 @@ class LLM:
         ckpt = open_checkpoint(resolve_model(cfg.model, cfg.cache_dir))
         self.model_config = mcfg = ckpt.config
         self.tokenizer = ckpt.tokenizer()
-        dtype = cfg.dtype or default_dtype()
+        self.dtype = dtype = cfg.dtype or default_dtype()
         self.max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, 8192)
         if self.max_model_len > mcfg.max_position_embeddings:
             raise ConfigError(

@@ -59,8 +59,23 @@ class SamplingParams:
             ),
             (
                 "stop_token_ids",
-                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-                "non-negative token ids",
+                len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+                and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                f"at most {MAX_STOP_TOKEN_IDS} non-negative token ids",
+            ),
+            ("repetition_penalty", 0 < self.repetition_penalty <= 10, "a number in (0, 10] (1 = off)"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "a number in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "a number in [-2, 2]"),
+            (
+                "logprobs",
+                self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                "None or an integer in [0, 20]",
+            ),
+            (
+                "stop",
+                len(self.stop) <= MAX_STOP_STRINGS
+                and all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_STRING_LEN for x in self.stop),
+                f"at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_LEN} characters",
             ),
         ]
         for field, ok, allowed in checks:

@@ -179,3 +179,19 @@ def test_bad_prompts(tiny_model_dir):
     assert llm.pool.num_in_use == 0
     out = llm.generate("The capital", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 3  # still serving after the errors
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"repetition_penalty": 0.0}, r"repetition_penalty = 0.0: must be a number in \(0, 10\]"),
+        ({"presence_penalty": 3.0}, r"presence_penalty = 3.0: must be a number in \[-2, 2\]"),
+        ({"frequency_penalty": -2.5}, r"frequency_penalty = -2.5"),
+        ({"logprobs": 21}, r"logprobs = 21: must be None or an integer in \[0, 20\]"),
+        ({"stop": [""]}, "stop = .*non-empty strings"),
+        ({"stop_token_ids": list(range(17))}, "stop_token_ids = .*at most 16"),
+    ],
+)
+def test_bad_sampling_params_more(params, message):
+    with pytest.raises(RequestError, match=message):
+        SamplingParams(**params)

@@ -46,7 +46,27 @@ def test_generate_with_yaml_config(tiny_model_dir, tmp_path, capsys):
 def test_shipped_configs_are_valid():
     from pathlib import Path
 
-    from jaxserve.config import EngineConfig
+    from jaxserve.server.config import load_run_config
 
-    for path in Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"):
-        EngineConfig.from_yaml(str(path))
+    paths = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
+    assert len(paths) >= 4
+    for path in paths:
+        load_run_config(str(path))
+
+
+def test_run_config_rejects_unknown_keys_and_bad_values(tmp_path):
+    import pytest
+
+    from jaxserve.errors import ConfigError
+    from jaxserve.server.config import load_run_config
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: x\nserver:\n  prot: 1\n")
+    with pytest.raises(ConfigError, match="unknown server option.*prot.*allowed:.*port"):
+        load_run_config(str(bad))
+    with pytest.raises(ConfigError, match=r"server.port = 70000: must be an integer in \[0, 65535\]"):
+        load_run_config(None, ["server.port=70000"])
+    with pytest.raises(ConfigError, match="max_num_seqs = 0"):
+        load_run_config(None, ["max_num_seqs=0"])
+    engine, server = load_run_config(None, ["max_num_seqs=4", "server.port=1234"])
+    assert engine.max_num_seqs == 4 and server.port == 1234

@@ -134,3 +134,29 @@ def test_prefix_caching_keeps_greedy_outputs_identical(smollm2_path):
             llm.scheduler.check_integrity()
     assert results["page"] == results["off"]
     assert results["token"] == results["off"]
+
+
+def test_server_stream_with_emoji_and_cjk_equals_offline(smollm2_path):
+    """Over the real gRPC server: the streamed text (CJK + emoji) is exactly the offline text."""
+    from jaxserve.client import Client
+    from jaxserve.server.config import ServerConfig
+    from jaxserve.server.server import Server, ServerHandle
+
+    llm = LLM(str(smollm2_path), dtype="float32", max_num_batched_tokens=64, max_num_seqs=4, progress=False)
+    prompts = [
+        [{"role": "user", "content": "Write the Japanese word for cat (猫) and add a cat emoji 🐱."}],
+        [{"role": "user", "content": 'Translate "hello" into Chinese characters and end with a smiley emoji 😊.'}],
+    ]
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    offline = [o.text for o in llm.generate(prompts, params)]
+    assert any(ord(c) > 0x2E80 for c in offline[0]) and any(ord(c) > 0x1F000 for c in offline[1])
+    handle = ServerHandle(Server(llm, ServerConfig(port=0, metrics_port=None, warmup=False), "smollm2", progress=False))
+    addr = f"127.0.0.1:{handle.start()}"
+    try:
+        with Client(addr) as c:
+            for prompt, want in zip(prompts, offline, strict=True):
+                pieces = [m.text for m in c.stream(prompt, max_tokens=40, temperature=0.0)]
+                assert "".join(pieces) == want
+                assert not any("\ufffd" in p for p in pieces)
+    finally:
+        handle.stop()

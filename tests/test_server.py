@@ -1,0 +1,304 @@
+"""End to end over a real gRPC server on a free loopback port, with a real stub."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.client import Client, build_request
+from jaxserve.server.config import ServerConfig
+from jaxserve.server.proto import jaxserve_pb2 as pb
+from jaxserve.server.server import SERVICE_NAME, Server, ServerHandle
+from tests.conftest import rng_tokens
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    path, _ = tiny_model_dir("llama3")
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        page_size=16,
+        num_pages=400,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        progress=False,
+    )
+    gate = threading.Event()
+
+    async def before_serving():
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+
+    cfg = ServerConfig(port=0, metrics_port=0, max_waiting_requests=64, drain_grace_seconds=5)
+    server = Server(llm, cfg, str(path), progress=False, before_serving=before_serving)
+    handle = ServerHandle(server)
+    port = handle.start()
+    addr = f"127.0.0.1:{port}"
+    channel = grpc.insecure_channel(addr)
+    health = health_pb2_grpc.HealthStub(channel)
+    first = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status
+    gate.set()
+    deadline = time.time() + 300
+    while (
+        health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status
+        != health_pb2.HealthCheckResponse.SERVING
+    ):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    yield llm, server, addr, first
+    channel.close()
+    handle.stop()
+
+
+def test_health_goes_not_serving_to_serving(served):
+    _, _, addr, first = served
+    assert first == health_pb2.HealthCheckResponse.NOT_SERVING
+    with grpc.insecure_channel(addr) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_the_service(served):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(served[2]) as ch:
+        services = ProtoReflectionDescriptorDatabase(ch).get_services()
+    assert SERVICE_NAME in services and "grpc.health.v1.Health" in services
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "The capital of France is",
+        [5, 6, 7, 8, 9, 10],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    ],
+    ids=["text", "token_ids", "chat"],
+)
+def test_unary_and_stream_agree_with_offline(served, prompt):
+    llm, _, addr, _ = served
+    with Client(addr) as c:
+        unary = c.generate(prompt, max_tokens=12, **GREEDY)
+        parts = list(c.stream(prompt, max_tokens=12, **GREEDY))
+    offline = llm.generate([prompt], SamplingParams(max_tokens=12, **GREEDY))[0]
+    assert list(unary.token_ids) == offline.token_ids
+    assert unary.text == offline.text == "".join(p.text for p in parts)
+    assert [t for p in parts for t in p.token_ids] == offline.token_ids
+    assert parts[-1].finish_reason == pb.FINISH_REASON_LENGTH and all(p.finish_reason == 0 for p in parts[:-1])
+    usage = unary.usage
+    assert usage.prompt_tokens == len(offline.prompt_token_ids) and usage.completion_tokens == 12
+    assert parts[-1].usage.completion_tokens == 12
+
+
+def test_32_concurrent_streams_match_offline(served):
+    llm, _, addr, _ = served
+    prompts = [rng_tokens(5 + 7 * i, 320, seed=i) for i in range(32)]
+    offline = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY))]
+
+    async def run():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
+
+            stub = pb_grpc.JaxServeStub(ch)
+
+            async def one(p):
+                return [
+                    t async for m in stub.StreamGenerate(build_request(p, max_tokens=10, **GREEDY)) for t in m.token_ids
+                ]
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(run()) == offline
+
+
+def test_cancelled_streams_are_aborted_within_two_steps_and_free_pages(tiny_model_dir):
+    path, _ = tiny_model_dir("llama3")
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        page_size=16,
+        num_pages=1500,
+        max_num_seqs=32,
+        max_num_batched_tokens=64,
+        progress=False,
+    )
+    server = Server(llm, ServerConfig(port=0, metrics_port=None, warmup=False), "tiny", progress=False)
+    handle = ServerHandle(server)
+    addr = f"127.0.0.1:{handle.start()}"
+    engine = server.engine_thread
+
+    async def run():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
+
+            stub = pb_grpc.JaxServeStub(ch)
+            calls = [
+                stub.StreamGenerate(
+                    build_request(rng_tokens(30, 320, seed=100 + i), request_id=f"cancel-{i}", max_tokens=900, **GREEDY)
+                )
+                for i in range(20)
+            ]
+            for call in calls:
+                first = await call.read()  # every stream is generating
+                assert first.token_ids and not first.finish_reason
+            requests = [engine._streams[f"cancel-{i}"].request for i in range(20)]
+            at_cancel = llm.engine.counters["steps"]
+            for call in calls:
+                call.cancel()
+            return requests, at_cancel
+
+    try:
+        requests, at_cancel = asyncio.run(run())
+        deadline = time.time() + 60
+        while not all(r.status.is_finished for r in requests):
+            assert time.time() < deadline
+            time.sleep(0.01)
+        steps = llm.engine.counters["steps"] - at_cancel
+        assert steps <= 2, f"aborted only after {steps} steps"
+        assert all(r.finish_reason == "abort" and not r.pages for r in requests)
+        assert all(len(r.output_token_ids) < 900 for r in requests)
+        assert llm.stats()["pages_held_by_requests"] == 0
+        llm.scheduler.check_integrity()
+    finally:
+        handle.stop()
+
+
+INVALID = [
+    (dict(prompt=""), "text: the prompt is empty"),
+    (dict(prompt=None), "prompt: one of text, token_ids or chat is required"),
+    (dict(prompt=[]), "token_ids: the prompt is empty"),
+    (dict(prompt=[1, 2, 999]), r"token_ids.ids\[2\] = 999: out of range; allowed 0..319"),
+    (dict(prompt=[1, -1]), r"token_ids.ids\[1\] = -1"),
+    (
+        dict(prompt=[{"role": "wizard", "content": "hi"}]),
+        r"chat.messages\[0\].role = 'wizard': must be one of system, user",
+    ),
+    (dict(prompt="hi", max_tokens=0), "max_tokens = 0: must be an integer >= 1"),
+    (dict(prompt="hi", max_tokens=-5), "max_tokens = -5"),
+    (
+        dict(prompt="hi", max_tokens=5000),
+        r"max_tokens = 5000: prompt \(\d+ tokens\) \+ max_tokens must be <= max_model_len",
+    ),
+    (dict(prompt=[1] * 1100), r"prompt: 1100 tokens; must be shorter than max_model_len"),
+    (dict(prompt="hi", temperature=-0.5), "temperature = -0.5: must be a number >= 0"),
+    (dict(prompt="hi", top_p=0.0), r"top_p = 0.0: must be a number in \(0, 1\]"),
+    (dict(prompt="hi", top_p=1.5), r"top_p = 1.5"),
+    (dict(prompt="hi", top_k=-3), "top_k = -3: must be an integer >= 0"),
+    (dict(prompt="hi", min_p=2.0), r"min_p = 2.0: must be a number in \[0, 1\]"),
+    (dict(prompt="hi", repetition_penalty=0.0), r"repetition_penalty = 0.0: must be a number in \(0, 10\]"),
+    (dict(prompt="hi", logprobs=50), r"logprobs = 50: must be None or an integer in \[0, 20\]"),
+    (dict(prompt="hi", stop=["x"] * 17), "stop = .*: must be at most 16 non-empty strings of at most 256 characters"),
+    (dict(prompt="hi", stop=["y" * 300]), "stop = .*at most 256 characters"),
+    (dict(prompt="hi", stop_token_ids=list(range(20))), "stop_token_ids = .*at most 16"),
+    (dict(prompt="hi", min_tokens=9, max_tokens=3), r"min_tokens = 9: must be an integer in \[0, max_tokens\]"),
+    (dict(prompt="hi", request_id="r" * 300), "request_id: 300 characters; at most 256"),
+    (dict(prompt="x" * 1_000_001), "text: 1000001 characters; at most 1000000"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", INVALID)
+def test_invalid_input_is_rejected_by_name(served, kwargs, message):
+    import re
+
+    kwargs = dict(kwargs)
+    prompt = kwargs.pop("prompt")
+    request = pb.GenerateRequest() if prompt is None else build_request(prompt, **kwargs)
+    with Client(served[2]) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.stub.Generate(request, timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert re.search(message, err.value.details()), err.value.details()
+        assert len(c.generate("ok", max_tokens=2, **GREEDY).token_ids) == 2  # still serving
+
+
+def test_full_queue_answers_resource_exhausted_then_recovers(tiny_model_dir):
+    path, _ = tiny_model_dir("llama3")
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        page_size=16,
+        num_pages=200,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        progress=False,
+    )
+    server = Server(
+        llm, ServerConfig(port=0, metrics_port=None, max_waiting_requests=2, warmup=False), "tiny", progress=False
+    )
+    handle = ServerHandle(server)
+    addr = f"127.0.0.1:{handle.start()}"
+
+    async def run():
+        async with grpc.aio.insecure_channel(addr) as ch:
+            from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
+
+            stub = pb_grpc.JaxServeStub(ch)
+
+            async def one(i):
+                try:
+                    await stub.Generate(build_request([5, 6, 7 + i], max_tokens=40, **GREEDY))
+                    return "ok"
+                except grpc.aio.AioRpcError as e:
+                    return e.code()
+
+            return await asyncio.gather(*(one(i) for i in range(12)))
+
+    try:
+        codes = asyncio.run(run())
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and "ok" in codes
+        with Client(addr) as c:  # retried once the queue has drained
+            assert len(c.generate([5, 6, 7], max_tokens=3, **GREEDY).token_ids) == 3
+    finally:
+        handle.stop()
+
+
+def test_metrics_endpoint(served):
+    import urllib.request
+
+    _, server, addr, _ = served
+    with Client(addr) as c:
+        c.generate("metrics", max_tokens=3, **GREEDY)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    for name in (
+        "jaxserve_requests_waiting",
+        "jaxserve_kv_pages_used",
+        "jaxserve_time_to_first_token_seconds_bucket",
+        "jaxserve_inter_token_latency_seconds_count",
+        "jaxserve_generation_tokens_total",
+        "jaxserve_compiles",
+    ):
+        assert name in text, name
+
+
+def test_model_info_and_abort_unknown(served):
+    with Client(served[2]) as c:
+        info = c.model_info()
+        assert info.vocab_size == 320 and info.page_size == 16 and info.max_model_len == 1024
+        assert c.abort("no-such-request") is False
+
+
+def test_generated_stubs_are_up_to_date():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(root / "scripts" / "gen_protos.py"), "--check"], check=True)
+
+
+def test_cli_generate_against_the_server(served, capsys):
+    from jaxserve.cli import main
+
+    llm, _, addr, _ = served
+    assert main(["generate", "--server", addr, "The capital", "--raw", "--max-tokens", "6"]) == 0
+    offline = llm.generate(["The capital"], SamplingParams(max_tokens=6, temperature=0.0))[0].text
+    assert capsys.readouterr().out == offline + "\n"

@@ -1,0 +1,68 @@
+"""`jaxserve run` as a real process: start-up, SIGTERM drain, exit code."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxserve.client import Client
+
+
+def test_sigterm_drains_active_streams_and_exits_0(tiny_model_dir):
+    path, _ = tiny_model_dir("llama3")
+    from pathlib import Path
+
+    cfg = Path(__file__).resolve().parent.parent / "configs" / "test-tiny.yaml"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", "run", "--config", str(cfg), "--set", f"model={path}", "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        port = None
+        for line in proc.stdout:
+            m = re.search(r"serving .* on 127\.0\.0\.1:(\d+)", line)
+            if m:
+                port = int(m.group(1))
+                break
+        assert port, "server did not start"
+        addr = f"127.0.0.1:{port}"
+        with grpc.insecure_channel(addr) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            deadline = time.time() + 300
+            while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
+                assert time.time() < deadline
+                time.sleep(0.1)
+        finals, started = [], threading.Barrier(9)
+
+        def stream(i: int) -> None:
+            with Client(addr) as c:
+                it = c.stream([5, 6, 7 + i], max_tokens=900, temperature=0.0, ignore_eos=True)
+                last = next(it)
+                started.wait()
+                for msg in it:
+                    last = msg
+                finals.append(last)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        started.wait(timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=120)
+        assert proc.wait(timeout=120) == 0
+        assert len(finals) == 8
+        assert all(m.finish_reason != 0 for m in finals)  # every stream got its final message
+        assert any(m.usage.completion_tokens < 900 for m in finals)  # the grace period cut some short
+    finally:
+        if proc.poll() is None:
+            proc.kill()
