@@ -302,3 +302,18 @@ def test_cli_generate_against_the_server(served, capsys):
     assert main(["generate", "--server", addr, "The capital", "--raw", "--max-tokens", "6"]) == 0
     offline = llm.generate(["The capital"], SamplingParams(max_tokens=6, temperature=0.0))[0].text
     assert capsys.readouterr().out == offline + "\n"
+
+
+def test_deadline_aborts_the_request_and_frees_its_pages(served):
+    llm, server, addr, _ = served
+    before = llm.stats()["decode_tokens"]
+    with Client(addr) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.stub.Generate(build_request([9, 9, 9], request_id="deadline-1", max_tokens=900, **GREEDY), timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.time() + 30
+    while server.engine_thread.num_active or llm.stats()["num_running"]:
+        assert time.time() < deadline, "the request kept generating after its deadline"
+        time.sleep(0.01)
+    assert llm.stats()["decode_tokens"] - before < 900  # stopped early, not run to max_tokens
+    assert llm.stats()["pages_held_by_requests"] == 0
