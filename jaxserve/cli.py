@@ -71,15 +71,15 @@ def _cmd_generate_remote(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     if args.server:
         return _cmd_generate_remote(args)
-    from jaxserve.config import EngineConfig
     from jaxserve.llm import LLM
     from jaxserve.sampling_params import SamplingParams
+    from jaxserve.server.config import load_run_config
 
     options = {}
     for key in ("model", "dtype", "cache_dir"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
-    config = EngineConfig.from_yaml(args.config, **options) if args.config else EngineConfig.from_options(**options)
+    config, _ = load_run_config(args.config, [], **options)  # a server: section is ignored here
     llm = LLM(config=config, progress=not args.quiet)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import yaml
 
 from jaxserve.errors import ConfigError
 
@@ -66,10 +69,19 @@ class EngineConfig:
             need(key, isinstance(getattr(self, key), bool), "true or false")
 
     @classmethod
-    def from_yaml(cls, path: str, **overrides) -> EngineConfig:
-        """Loads a YAML mapping of engine options; ``overrides`` win over the file."""
-        import yaml
+    def from_options(cls, **options) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(names))}")
+        return cls(**options)
 
+
+def read_config_file(path: str | None, overrides: list[str] = ()) -> dict[str, Any]:
+    """A YAML file's mapping (``{}`` without a file) with ``key=value`` overrides applied;
+    dotted keys reach into sections (``server.port=50052``), values are parsed as YAML."""
+    data: dict[str, Any] = {}
+    if path:
         try:
             with open(path) as f:
                 data = yaml.safe_load(f) or {}
@@ -79,12 +91,15 @@ class EngineConfig:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of option: value")
-        return cls.from_options(**{**data, **overrides})
-
-    @classmethod
-    def from_options(cls, **options) -> EngineConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - names)
-        if unknown:
-            raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(names))}")
-        return cls(**options)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        *sections, leaf = key.strip().split(".")
+        node = data
+        for k in sections:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {k} is not a section")
+        node[leaf] = yaml.safe_load(raw)
+    return data

@@ -70,3 +70,11 @@ def test_run_config_rejects_unknown_keys_and_bad_values(tmp_path):
         load_run_config(None, ["max_num_seqs=0"])
     engine, server = load_run_config(None, ["max_num_seqs=4", "server.port=1234"])
     assert engine.max_num_seqs == 4 and server.port == 1234
+
+
+def test_generate_accepts_a_run_config_with_a_server_section(tiny_model_dir, capsys):
+    from pathlib import Path
+
+    path, _ = tiny_model_dir("qwen2")
+    cfg = Path(__file__).resolve().parent.parent / "configs" / "test-tiny.yaml"
+    assert main(["generate", "Hi", "--config", str(cfg), "--model", str(path), "--quiet", "--max-tokens", "3", "--raw"]) == 0

@@ -6,9 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import yaml
-
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, read_config_file
 from jaxserve.errors import ConfigError
 
 
@@ -47,34 +45,13 @@ class ServerConfig:
         need("warmup", isinstance(self.warmup, bool), "true or false")
 
 
-def _set(data: dict, dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    node = data
-    for k in keys[:-1]:
-        node = node.setdefault(k, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {dotted}: {k} is not a section")
-    node[keys[-1]] = value
-
-
-def load_run_config(path: str | None, overrides: list[str] = ()) -> tuple[EngineConfig, ServerConfig]:
-    """Reads the YAML file (if any) and applies ``key=value`` overrides (``server.port=1``)."""
-    data: dict = {}
-    if path:
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of option: value")
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected key=value")
-        key, raw = item.split("=", 1)
-        _set(data, key.strip(), yaml.safe_load(raw))
+def load_run_config(
+    path: str | None, overrides: list[str] = (), **engine_options: Any
+) -> tuple[EngineConfig, ServerConfig]:
+    """Reads the YAML file (if any), applies ``key=value`` overrides (``server.port=1``) and
+    then ``engine_options``; returns the engine and server configurations."""
+    data = read_config_file(path, overrides)
+    data.update(engine_options)
     server = data.pop("server", None) or {}
     if not isinstance(server, dict):
         raise ConfigError("server: must be a mapping")
