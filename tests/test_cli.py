@@ -77,4 +77,7 @@ def test_generate_accepts_a_run_config_with_a_server_section(tiny_model_dir, cap
 
     path, _ = tiny_model_dir("qwen2")
     cfg = Path(__file__).resolve().parent.parent / "configs" / "test-tiny.yaml"
-    assert main(["generate", "Hi", "--config", str(cfg), "--model", str(path), "--quiet", "--max-tokens", "3", "--raw"]) == 0
+    assert (
+        main(["generate", "Hi", "--config", str(cfg), "--model", str(path), "--quiet", "--max-tokens", "3", "--raw"])
+        == 0
+    )

@@ -317,3 +317,24 @@ def test_deadline_aborts_the_request_and_frees_its_pages(served):
         time.sleep(0.01)
     assert llm.stats()["decode_tokens"] - before < 900  # stopped early, not run to max_tokens
     assert llm.stats()["pages_held_by_requests"] == 0
+
+
+def test_a_failed_engine_step_ends_requests_with_internal_and_serving_continues(served, monkeypatch):
+    llm, _, addr, _ = served
+    real = llm.runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated device failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm.runner, "execute", flaky)
+    with Client(addr) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate([1, 2, 3], max_tokens=4, **GREEDY, timeout=60)
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "simulated device failure" in err.value.details()
+        assert len(c.generate([1, 2, 3], max_tokens=4, **GREEDY, timeout=60).token_ids) == 4
+    assert llm.stats()["pages_held_by_requests"] == 0

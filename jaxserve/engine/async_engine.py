@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -19,6 +20,8 @@ from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import Request
 from jaxserve.errors import JaxServeError
 from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class QueueFullError(JaxServeError):
@@ -39,6 +42,7 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    error: str | None = None  # the engine failed this step: the request ended without a result
 
 
 @dataclasses.dataclass
@@ -144,6 +148,20 @@ class EngineThread:
         with self._lock:
             self._streams.pop(request_id, None)
 
+    def _fail_all(self, message: str) -> None:
+        for request_id, stream in list(self._streams.items()):
+            if stream.request is None:
+                continue
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - the engine is already in trouble
+                logger.exception("abort after a failed step")
+            delta = self._delta(request_id, stream)
+            delta.error = message
+            self._push(stream, delta)
+            with self._lock:
+                self._streams.pop(request_id, None)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             block = not self.engine.has_unfinished()
@@ -156,7 +174,12 @@ class EngineThread:
                 pass
             if not self.engine.has_unfinished():
                 continue
-            advanced, finished = self.engine.step()
+            try:
+                advanced, finished = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - no request may hang on a failed step
+                logger.exception("engine step failed; ending the requests in flight")
+                self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                continue
             now = time.monotonic()
             if self.on_step is not None:
                 self.on_step(self, advanced, finished, now)

@@ -65,10 +65,12 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         except JaxServeError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
 
-    async def _deltas(self, request_id: str, q: asyncio.Queue):
+    async def _deltas(self, request_id: str, q: asyncio.Queue, context):
         try:
             while True:
                 delta = await q.get()
+                if delta.error is not None:
+                    await context.abort(grpc.StatusCode.INTERNAL, delta.error)
                 yield delta
                 if delta.finish_reason is not None:
                     return
@@ -78,7 +80,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
     async def StreamGenerate(self, request, context):
         request_id, q = await self._start(request, context)
-        async for delta in self._deltas(request_id, q):
+        async for delta in self._deltas(request_id, q, context):
             msg = pb.GenerateStreamResponse(request_id=request_id)
             _fill(msg, delta)
             yield msg
@@ -86,7 +88,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     async def Generate(self, request, context):
         request_id, q = await self._start(request, context)
         msg = pb.GenerateResponse(request_id=request_id)
-        async for delta in self._deltas(request_id, q):
+        async for delta in self._deltas(request_id, q, context):
             _fill(msg, delta)
         return msg
 
