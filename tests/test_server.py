@@ -265,8 +265,15 @@ def test_metrics_endpoint(served):
     import urllib.request
 
     _, server, addr, _ = served
+
+    def generated() -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+        return float(next(x.split()[1] for x in text.splitlines() if x.startswith("jaxserve_generation_tokens_total")))
+
+    before = generated()
     with Client(addr) as c:
         c.generate("metrics", max_tokens=3, **GREEDY)
+    assert generated() - before == 3
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
     for name in (
         "jaxserve_requests_waiting",

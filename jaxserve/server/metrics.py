@@ -25,7 +25,7 @@ class Metrics:
         )
         self.e2e = Histogram("jaxserve_e2e_latency_seconds", "Request latency", buckets=_LATENCY_BUCKETS, registry=r)
         self._last_token_at: dict[str, float] = {}
-        self._last_counts = {"prefill": 0, "decode": 0}
+        self._last_prefill = 0
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serves /metrics over HTTP; returns the bound port (0 picks a free one)."""
@@ -40,9 +40,9 @@ class Metrics:
         self.pages_used.set(stats["pages_total"] - stats["pages_free"])
         self.hit_rate.set(stats["prefix_cache_hit_tokens"] / max(stats["prefix_cache_queried_tokens"], 1))
         self.compiles.set(stats["num_compiles"])
-        self.prompt_tokens.inc(stats["prefill_tokens_computed"] - self._last_counts["prefill"])
-        self.generation_tokens.inc(stats["decode_tokens"] - self._last_counts["decode"])
-        self._last_counts = {"prefill": stats["prefill_tokens_computed"], "decode": stats["decode_tokens"]}
+        self.prompt_tokens.inc(stats["prefill_tokens_computed"] - self._last_prefill)
+        self.generation_tokens.inc(len(advanced))  # each advanced request got one token
+        self._last_prefill = stats["prefill_tokens_computed"]
         for r in advanced:
             last = self._last_token_at.get(r.request_id)
             if last is None:
