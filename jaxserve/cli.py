@@ -1,4 +1,4 @@
-"""Command line: ``jaxserve fetch | generate | run``."""
+"""Command line: ``jaxserve fetch | generate | run | bench``."""
 
 from __future__ import annotations
 
@@ -127,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("bench", help="load-test a running server and report serving metrics")
+    from jaxserve import bench as bench_module
+
+    bench_module.add_arguments(p)
+    p.set_defaults(func=lambda a: bench_module.main(a))
 
     p = sub.add_parser("run", help="serve a model over gRPC")
     p.add_argument("--config", default=None, help="YAML file: engine options plus a server: section")

@@ -1,0 +1,235 @@
+"""`jaxserve bench`: a gRPC load generator with serving metrics (like vLLM's and SGLang's
+serving benchmarks).
+
+Workloads (token-id prompts, EOS ignored so output lengths are exact):
+  random                    prompt / output lengths drawn uniformly from ranges
+  shared-prefix             G system prompts x Q questions each (SGLang's generated-shared-prefix)
+  long-prompt-interference  steady decode streams plus a long prompt every --interval seconds;
+                            ITL is reported for the steady streams alone
+  multi-turn                conversations that resend their history each turn
+Load: a fixed --concurrency, or Poisson arrivals at --request-rate (requests/s).
+Reports TTFT, inter-token latency, TPOT and end-to-end latency (p50/p90/p99), output and
+total throughput, prefix-cache hit rate; prints a table and writes JSON with --json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import random
+import time
+
+import grpc
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxserve.client import build_request
+from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
+
+WORKLOADS = ("random", "shared-prefix", "long-prompt-interference", "multi-turn")
+
+
+@dataclasses.dataclass
+class Result:
+    tag: str  # "main", or "steady" / "long" in the interference workload
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: float = 0.0
+    itls: list[float] = dataclasses.field(default_factory=list)
+    e2e: float = 0.0
+    error: str | None = None
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+def _span(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+async def _one(stub, ids: list[int], max_tokens: int, tag: str, timeout: float) -> Result:
+    res = Result(tag, prompt_tokens=len(ids))
+    t0 = time.perf_counter()
+    last = None
+    try:
+        call = stub.StreamGenerate(
+            build_request(ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True), timeout=timeout
+        )
+        async for msg in call:
+            now = time.perf_counter()
+            if msg.token_ids:
+                if last is None:
+                    res.ttft = now - t0
+                else:
+                    res.itls.append(now - last)
+                last = now
+                res.output_ids.extend(msg.token_ids)
+            if msg.finish_reason:
+                res.cached_tokens = msg.usage.cached_tokens
+        res.output_tokens = len(res.output_ids)
+    except grpc.aio.AioRpcError as e:
+        res.error = f"{e.code().name}: {e.details()}"
+    res.e2e = time.perf_counter() - t0
+    return res
+
+
+def _pct(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "mean": float("nan")}
+    a = np.asarray(values)
+    return {
+        "p50": float(np.percentile(a, 50)),
+        "p90": float(np.percentile(a, 90)),
+        "p99": float(np.percentile(a, 99)),
+        "mean": float(a.mean()),
+    }
+
+
+def summarize(results: list[Result], seconds: float, tag: str | None = None) -> dict:
+    rs = [r for r in results if r.error is None and (tag is None or r.tag == tag)]
+    out_tokens = sum(r.output_tokens for r in rs)
+    prompt_tokens = sum(r.prompt_tokens for r in rs)
+    return {
+        "requests": len(rs),
+        "errors": sum(r.error is not None for r in results if tag is None or r.tag == tag),
+        "seconds": seconds,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens,
+        "output_throughput": out_tokens / seconds,
+        "total_throughput": (out_tokens + prompt_tokens) / seconds,
+        "prefix_cache_hit_rate": sum(r.cached_tokens for r in rs) / max(prompt_tokens, 1),
+        "ttft_s": _pct([r.ttft for r in rs if r.output_tokens]),
+        "itl_s": _pct([x for r in rs for x in r.itls]),
+        "tpot_s": _pct([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in rs if r.output_tokens > 1]),
+        "e2e_s": _pct([r.e2e for r in rs]),
+    }
+
+
+async def run_bench(args) -> dict:
+    rng = random.Random(args.seed)
+    vocab = args.vocab
+    in_lo, in_hi = _span(args.input_len)
+    out_lo, out_hi = _span(args.output_len)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    async with grpc.aio.insecure_channel(args.server) as channel:
+        stub = pb_grpc.JaxServeStub(channel)
+        results: list[Result] = []
+        bar = tqdm(total=args.num_requests, desc=f"bench {args.workload}", disable=args.quiet)
+        sem = asyncio.Semaphore(args.concurrency)
+
+        async def submit(ids, max_tokens, tag="main"):
+            async with sem:
+                res = await _one(stub, ids, max_tokens, tag, args.timeout)
+            results.append(res)
+            bar.update()
+            return res
+
+        async def arrivals(jobs):
+            """Runs jobs (coroutine factories) at a Poisson rate, or all at once under --concurrency."""
+            tasks = []
+            for job in jobs:
+                tasks.append(asyncio.create_task(job()))
+                if args.request_rate:
+                    await asyncio.sleep(rng.expovariate(args.request_rate))
+            return await asyncio.gather(*tasks)
+
+        t0 = time.perf_counter()
+        if args.workload == "random":
+            jobs = [
+                functools.partial(submit, tokens(rng.randint(in_lo, in_hi)), rng.randint(out_lo, out_hi))
+                for _ in range(args.num_requests)
+            ]
+            await arrivals(jobs)
+        elif args.workload == "shared-prefix":
+            questions = max(args.num_requests // args.groups, 1)
+            jobs = []
+            for _ in range(args.groups):
+                system = tokens(args.system_len)
+                for _ in range(questions):
+                    ids = system + tokens(rng.randint(in_lo, in_hi))
+                    jobs.append(functools.partial(submit, ids, rng.randint(out_lo, out_hi)))
+            rng.shuffle(jobs)
+            await arrivals(jobs)
+        elif args.workload == "multi-turn":
+            per_conv = max(args.turns, 1)
+            convs = max(args.num_requests // per_conv, 1)
+
+            async def conversation():
+                history = tokens(rng.randint(in_lo, in_hi))
+                for _ in range(per_conv):
+                    res = await submit(history, rng.randint(out_lo, out_hi))
+                    history = history + res.output_ids + tokens(rng.randint(8, 32))
+
+            await arrivals([conversation for _ in range(convs)])
+        else:  # long-prompt-interference
+            steady = [
+                asyncio.create_task(submit(tokens(rng.randint(in_lo, in_hi)), args.steady_output_len, "steady"))
+                for _ in range(args.steady_streams)
+            ]
+            longs = []
+            await asyncio.sleep(args.interval)
+            while not all(t.done() for t in steady) and len(longs) < args.num_requests - args.steady_streams:
+                longs.append(asyncio.create_task(submit(tokens(args.long_prompt_len), 4, "long")))
+                await asyncio.sleep(args.interval)
+            await asyncio.gather(*steady, *longs)
+        seconds = time.perf_counter() - t0
+        bar.close()
+    report = {"workload": args.workload, "server": args.server, "all": summarize(results, seconds)}
+    if args.workload == "long-prompt-interference":
+        report["steady"] = summarize(results, seconds, "steady")
+        report["long"] = summarize(results, seconds, "long")
+    return report
+
+
+def print_report(report: dict) -> None:
+    print(f"workload {report['workload']} against {report['server']}")
+    for name, s in report.items():
+        if not isinstance(s, dict):
+            continue
+        print(
+            f"[{name}] {s['requests']} requests ({s['errors']} errors) in {s['seconds']:.1f}s: "
+            f"output {s['output_throughput']:.1f} tok/s, total {s['total_throughput']:.1f} tok/s, "
+            f"prefix-cache hit rate {s['prefix_cache_hit_rate']:.1%}"
+        )
+        print(f"  {'metric':8s} {'p50 ms':>9s} {'p90 ms':>9s} {'p99 ms':>9s} {'mean ms':>9s}")
+        for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
+            p = s[key]
+            print(
+                f"  {key[:-2]:8s} {p['p50'] * 1e3:9.1f} {p['p90'] * 1e3:9.1f} {p['p99'] * 1e3:9.1f} {p['mean'] * 1e3:9.1f}"
+            )
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--server", default="127.0.0.1:50051")
+    p.add_argument("--workload", choices=WORKLOADS, default="random")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight at most")
+    p.add_argument("--request-rate", type=float, default=0.0, help="Poisson arrivals per second (0 = all at once)")
+    p.add_argument("--input-len", default="100:300", help="prompt length range LO:HI")
+    p.add_argument("--output-len", default="16:128", help="output length range LO:HI")
+    p.add_argument("--groups", type=int, default=8, help="shared-prefix: system prompts")
+    p.add_argument("--system-len", type=int, default=512, help="shared-prefix: system prompt tokens")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--steady-streams", type=int, default=4, help="interference: decode streams")
+    p.add_argument("--steady-output-len", type=int, default=256, help="interference: tokens per steady stream")
+    p.add_argument("--long-prompt-len", type=int, default=1024, help="interference: long prompt tokens")
+    p.add_argument("--interval", type=float, default=2.0, help="interference: seconds between long prompts")
+    p.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--quiet", action="store_true")
+
+
+def main(args) -> int:
+    report = asyncio.run(run_bench(args))
+    print_report(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["all"]["errors"] == 0 else 1
