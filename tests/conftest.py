@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -130,3 +131,21 @@ def smollm2_hf(smollm2_path):
 
 def rng_tokens(n: int, vocab: int, seed: int) -> list[int]:
     return np.random.RandomState(seed).randint(0, vocab, size=n).tolist()
+
+
+@contextlib.contextmanager
+def tiny_server(path, server_config=None, **llm_options):
+    """A real gRPC server over a tiny model on a free loopback port: (llm, server, address)."""
+    from jaxserve import LLM
+    from jaxserve.server.config import ServerConfig
+    from jaxserve.server.server import Server, ServerHandle
+
+    options = dict(dtype="float32", page_size=16, num_pages=400, max_num_seqs=8, max_num_batched_tokens=64)
+    options.update(llm_options)
+    llm = LLM(str(path), progress=False, **options)
+    config = server_config or ServerConfig(port=0, metrics_port=None, warmup=False)
+    handle = ServerHandle(Server(llm, config, "tiny", progress=False))
+    try:
+        yield llm, handle.server, f"127.0.0.1:{handle.start()}"
+    finally:
+        handle.stop()

@@ -6,27 +6,14 @@ import json
 
 import pytest
 
-from jaxserve import LLM
 from jaxserve.cli import main
-from jaxserve.server.config import ServerConfig
-from jaxserve.server.server import Server, ServerHandle
+from tests.conftest import tiny_server
 
 
 @pytest.fixture(scope="module")
 def addr(tiny_model_dir):
-    path, _ = tiny_model_dir("llama3")
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        page_size=16,
-        num_pages=600,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        progress=False,
-    )
-    handle = ServerHandle(Server(llm, ServerConfig(port=0, metrics_port=None, warmup=False), "tiny", progress=False))
-    yield f"127.0.0.1:{handle.start()}"
-    handle.stop()
+    with tiny_server(tiny_model_dir("llama3")[0], num_pages=600) as (_, _, address):
+        yield address
 
 
 @pytest.mark.parametrize(

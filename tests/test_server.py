@@ -15,7 +15,7 @@ from jaxserve.client import Client, build_request
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.server import SERVICE_NAME, Server, ServerHandle
-from tests.conftest import rng_tokens
+from tests.conftest import rng_tokens, tiny_server
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -121,19 +121,11 @@ def test_32_concurrent_streams_match_offline(served):
 
 
 def test_cancelled_streams_are_aborted_within_two_steps_and_free_pages(tiny_model_dir):
-    path, _ = tiny_model_dir("llama3")
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        page_size=16,
-        num_pages=1500,
-        max_num_seqs=32,
-        max_num_batched_tokens=64,
-        progress=False,
-    )
-    server = Server(llm, ServerConfig(port=0, metrics_port=None, warmup=False), "tiny", progress=False)
-    handle = ServerHandle(server)
-    addr = f"127.0.0.1:{handle.start()}"
+    with tiny_server(tiny_model_dir("llama3")[0], num_pages=1500, max_num_seqs=32) as (llm, server, addr):
+        _check_cancellation(llm, server, addr)
+
+
+def _check_cancellation(llm, server, addr) -> None:
     engine = server.engine_thread
 
     async def run():
@@ -156,20 +148,17 @@ def test_cancelled_streams_are_aborted_within_two_steps_and_free_pages(tiny_mode
                 call.cancel()
             return requests, at_cancel
 
-    try:
-        requests, at_cancel = asyncio.run(run())
-        deadline = time.time() + 60
-        while not all(r.status.is_finished for r in requests):
-            assert time.time() < deadline
-            time.sleep(0.01)
-        steps = llm.engine.counters["steps"] - at_cancel
-        assert steps <= 2, f"aborted only after {steps} steps"
-        assert all(r.finish_reason == "abort" and not r.pages for r in requests)
-        assert all(len(r.output_token_ids) < 900 for r in requests)
-        assert llm.stats()["pages_held_by_requests"] == 0
-        llm.scheduler.check_integrity()
-    finally:
-        handle.stop()
+    requests, at_cancel = asyncio.run(run())
+    deadline = time.time() + 60
+    while not all(r.status.is_finished for r in requests):
+        assert time.time() < deadline
+        time.sleep(0.01)
+    steps = llm.engine.counters["steps"] - at_cancel
+    assert steps <= 2, f"aborted only after {steps} steps"
+    assert all(r.finish_reason == "abort" and not r.pages for r in requests)
+    assert all(len(r.output_token_ids) < 900 for r in requests)
+    assert llm.stats()["pages_held_by_requests"] == 0
+    llm.scheduler.check_integrity()
 
 
 INVALID = [
@@ -221,22 +210,12 @@ def test_invalid_input_is_rejected_by_name(served, kwargs, message):
 
 
 def test_full_queue_answers_resource_exhausted_then_recovers(tiny_model_dir):
-    path, _ = tiny_model_dir("llama3")
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        page_size=16,
-        num_pages=200,
-        max_num_seqs=2,
-        max_num_batched_tokens=64,
-        progress=False,
-    )
-    server = Server(
-        llm, ServerConfig(port=0, metrics_port=None, max_waiting_requests=2, warmup=False), "tiny", progress=False
-    )
-    handle = ServerHandle(server)
-    addr = f"127.0.0.1:{handle.start()}"
+    config = ServerConfig(port=0, metrics_port=None, max_waiting_requests=2, warmup=False)
+    with tiny_server(tiny_model_dir("llama3")[0], config, num_pages=200, max_num_seqs=2) as (_, _, addr):
+        _check_full_queue(addr)
 
+
+def _check_full_queue(addr) -> None:
     async def run():
         async with grpc.aio.insecure_channel(addr) as ch:
             from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
@@ -252,13 +231,10 @@ def test_full_queue_answers_resource_exhausted_then_recovers(tiny_model_dir):
 
             return await asyncio.gather(*(one(i) for i in range(12)))
 
-    try:
-        codes = asyncio.run(run())
-        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and "ok" in codes
-        with Client(addr) as c:  # retried once the queue has drained
-            assert len(c.generate([5, 6, 7], max_tokens=3, **GREEDY).token_ids) == 3
-    finally:
-        handle.stop()
+    codes = asyncio.run(run())
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and "ok" in codes
+    with Client(addr) as c:  # retried once the queue has drained
+        assert len(c.generate([5, 6, 7], max_tokens=3, **GREEDY).token_ids) == 3
 
 
 def test_metrics_endpoint(served):
