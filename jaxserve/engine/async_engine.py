@@ -64,6 +64,9 @@ class EngineThread:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._pending = 0  # submitted but not yet handed to the engine
+        # request_id -> engine steps between abort() and the abort taking effect (metrics, tests)
+        self.abort_delay_steps: dict[str, int] = {}
+        self._abort_asked_at: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
@@ -101,6 +104,7 @@ class EngineThread:
         """Ends a request at the next step boundary; False if it is not running."""
         known = request_id in self._streams
         if known:
+            self._abort_asked_at[request_id] = self.engine.counters["steps"]
             self._commands.put(("abort", request_id))
         return known
 
@@ -138,10 +142,15 @@ class EngineThread:
             if stream is not None:
                 stream.request = self.engine.add_request(prompt_ids, params, request_id=request_id)
         elif command[0] == "abort":
+            asked = self._abort_asked_at.pop(command[1], None)
             stream = self._streams.get(command[1])
             if stream is not None and stream.request is not None:
                 self.engine.abort(command[1])
                 self._finish(command[1], stream)
+                if asked is not None:
+                    self.abort_delay_steps[command[1]] = self.engine.counters["steps"] - asked
+                    if len(self.abort_delay_steps) > 4096:  # keep the most recent only
+                        del self.abort_delay_steps[next(iter(self.abort_delay_steps))]
 
     def _finish(self, request_id: str, stream: _Stream) -> None:
         self._push(stream, self._delta(request_id, stream))
