@@ -1,0 +1,141 @@
+"""Runs the same `jaxserve bench` workload against servers started with different configs,
+one after another in one run, and prints the figures side by side with ratios.
+
+    python scripts/compare.py chunking        # max_num_batched_tokens 64/128/256 vs off (4096)
+    python scripts/compare.py prefix-cache    # prefix caching off / page / token
+    python scripts/compare.py custom --variant a:max_num_seqs=8 --variant b:max_num_seqs=32 --bench-args="--workload random"
+
+Each variant is `jaxserve run --config CONFIG --set KEY=VALUE ...` on a free port; the
+bench runs once SERVING is reported; the server is stopped with SIGTERM afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PRESETS = {
+    "chunking": (
+        [
+            ("budget-64", ["max_num_batched_tokens=64"]),
+            ("budget-128", ["max_num_batched_tokens=128"]),
+            ("budget-256", ["max_num_batched_tokens=256"]),
+            ("no-chunking", ["max_num_batched_tokens=4096"]),
+        ],
+        "--workload long-prompt-interference --steady-streams 4 --steady-output-len 128 --long-prompt-len 1024 "
+        "--interval 3 --num-requests 24 --input-len 20:40",
+        ["enable_prefix_caching=false"],
+    ),
+    "prefix-cache": (
+        [
+            ("off", ["enable_prefix_caching=false"]),
+            ("page", ["prefix_match=page"]),
+            ("token", ["prefix_match=token"]),
+        ],
+        "--workload shared-prefix --groups 4 --num-requests 32 --system-len 256 --input-len 10:30 --output-len 16:16",
+        [],
+    ),
+}
+
+
+def wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.time() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}")
+            try:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(1)
+    raise TimeoutError(f"{address} not SERVING after {timeout}s")
+
+
+def run_variant(name: str, sets: list[str], common: list[str], args, bench_args: str) -> dict:
+    cmd = [sys.executable, "-m", "jaxserve.cli", "run", "--config", args.config, "--quiet"]
+    for item in [*common, *sets, "server.port=0", "server.metrics_port=null", "server.drain_grace_seconds=0"]:
+        cmd += ["--set", item]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        port = None
+        for line in proc.stdout:
+            m = re.search(r"serving .* on [\d.]+:(\d+)", line)
+            if m:
+                port = int(m.group(1))
+                break
+        if port is None:
+            raise RuntimeError(f"variant {name}: the server did not start")
+        address = f"127.0.0.1:{port}"
+        wait_serving(address, proc, args.startup_timeout)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "report.json"
+            bench = [sys.executable, "-m", "jaxserve.cli", "bench", "--server", address, "--quiet", "--json", str(out)]
+            subprocess.run(bench + shlex.split(bench_args), check=True, cwd=ROOT)
+            return json.loads(out.read_text())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("preset", choices=[*PRESETS, "custom"])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2-135m.yaml"))
+    ap.add_argument("--variant", action="append", default=[], help="custom: NAME:KEY=VALUE[,KEY=VALUE...]")
+    ap.add_argument("--bench-args", default=None, help="arguments for jaxserve bench (overrides the preset's)")
+    ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for every variant")
+    ap.add_argument("--startup-timeout", type=float, default=900)
+    args = ap.parse_args()
+    if args.preset == "custom":
+        variants = [(v.split(":", 1)[0], v.split(":", 1)[1].split(",")) for v in args.variant]
+        bench_args, common = args.bench_args or "--workload random", []
+    else:
+        variants, bench_args, common = PRESETS[args.preset]
+        bench_args = args.bench_args or bench_args
+    common = [*common, *args.set]
+    reports = {name: run_variant(name, sets, common, args, bench_args) for name, sets in variants}
+    section = "steady" if "long-prompt-interference" in bench_args else "all"
+    base = next(iter(reports))
+    print(f"\n{args.preset}: jaxserve bench {bench_args}  (section: {section})")
+    print(
+        f"{'variant':14s} {'ITL p50 ms':>11s} {'ITL p99 ms':>11s} {'p99/p50':>8s} {'TTFT p50 ms':>12s} {'total tok/s':>12s} {'hit rate':>9s} {'vs ' + base:>10s}"
+    )
+    for name, rep in reports.items():
+        s = rep[section]
+        itl = s["itl_s"]
+        ratio = (
+            reports[base]["all"]["total_throughput"]
+            and rep["all"]["total_throughput"] / reports[base]["all"]["total_throughput"]
+        )
+        print(
+            f"{name:14s} {itl['p50'] * 1e3:11.1f} {itl['p99'] * 1e3:11.1f} {itl['p99'] / itl['p50']:8.2f} "
+            f"{s['ttft_s']['p50'] * 1e3:12.1f} {rep['all']['total_throughput']:12.1f} {rep['all']['prefix_cache_hit_rate']:9.1%} {ratio:9.2f}x"
+        )
+    print("command: python " + " ".join(sys.argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
