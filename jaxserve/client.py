@@ -9,9 +9,11 @@ with Client("127.0.0.1:50051") as c:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
@@ -59,3 +61,27 @@ class Client:
 
     def abort(self, request_id: str) -> bool:
         return self.stub.Abort(pb.AbortRequest(request_id=request_id)).found
+
+
+def wait_until_serving(
+    address: str, timeout: float = 600, service: str = "", is_alive: Callable[[], bool] | None = None
+) -> None:
+    """Polls the standard health service until ``address`` reports SERVING.
+
+    Raises TimeoutError after ``timeout`` seconds, or RuntimeError as soon as ``is_alive``
+    (e.g. a server process's liveness) returns False.
+    """
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if is_alive is not None and not is_alive():
+                raise RuntimeError(f"the server at {address} exited before SERVING")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass  # not listening yet
+            time.sleep(0.05)
+    raise TimeoutError(f"{address} not SERVING after {timeout}s")

@@ -19,8 +19,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from jaxserve.client import wait_until_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,28 +49,6 @@ PRESETS = {
 }
 
 
-def wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.time() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}")
-            try:
-                if (
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                ):
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(1)
-    raise TimeoutError(f"{address} not SERVING after {timeout}s")
-
-
 def run_variant(name: str, sets: list[str], common: list[str], args, bench_args: str) -> dict:
     cmd = [sys.executable, "-m", "jaxserve.cli", "run", "--config", args.config, "--quiet"]
     for item in [*common, *sets, "server.port=0", "server.metrics_port=null", "server.drain_grace_seconds=0"]:
@@ -85,7 +64,7 @@ def run_variant(name: str, sets: list[str], common: list[str], args, bench_args:
         if port is None:
             raise RuntimeError(f"variant {name}: the server did not start")
         address = f"127.0.0.1:{port}"
-        wait_serving(address, proc, args.startup_timeout)
+        wait_until_serving(address, args.startup_timeout, is_alive=lambda: proc.poll() is None)
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "report.json"
             bench = [sys.executable, "-m", "jaxserve.cli", "bench", "--server", address, "--quiet", "--json", str(out)]

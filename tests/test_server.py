@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.client import Client, build_request
+from jaxserve.client import Client, build_request, wait_until_serving
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.server import SERVICE_NAME, Server, ServerHandle
@@ -47,13 +47,7 @@ def served(tiny_model_dir):
     health = health_pb2_grpc.HealthStub(channel)
     first = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status
     gate.set()
-    deadline = time.time() + 300
-    while (
-        health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status
-        != health_pb2.HealthCheckResponse.SERVING
-    ):
-        assert time.time() < deadline
-        time.sleep(0.05)
+    wait_until_serving(addr, timeout=300, service=SERVICE_NAME)
     yield llm, server, addr, first
     channel.close()
     handle.stop()

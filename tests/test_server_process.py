@@ -7,12 +7,8 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from jaxserve.client import Client
+from jaxserve.client import Client, wait_until_serving
 
 
 def test_sigterm_drains_active_streams_and_exits_0(tiny_model_dir):
@@ -47,12 +43,7 @@ def test_sigterm_drains_active_streams_and_exits_0(tiny_model_dir):
                 break
         assert port, "server did not start"
         addr = f"127.0.0.1:{port}"
-        with grpc.insecure_channel(addr) as ch:
-            health = health_pb2_grpc.HealthStub(ch)
-            deadline = time.time() + 300
-            while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
-                assert time.time() < deadline
-                time.sleep(0.1)
+        wait_until_serving(addr, timeout=300, is_alive=lambda: proc.poll() is None)
         finals, started = [], threading.Barrier(9)
 
         def stream(i: int) -> None:
