@@ -165,16 +165,12 @@ class Scheduler:
     def _shares_uncached_prefix(self, request: Request) -> bool:
         """True if a running request is still prefilling a prefix this one shares beyond
         what is cached: admitting it now would compute that prefix twice."""
-        if self.cache is None:
-            return False
-        cached = self.cache.match_length(request)
+        prefilling = [r for r in self.running if not r.is_prefill_done]
+        if self.cache is None or not prefilling:
+            return False  # skip the radix match: nothing to wait for
         tokens = request.all_token_ids
-        for other in self.running:
-            if not other.is_prefill_done:
-                shared = _common_prefix(tokens, other.prompt_token_ids)
-                if shared - cached >= self.pool.page_size:
-                    return True
-        return False
+        shared = max(_common_prefix(tokens, other.prompt_token_ids) for other in prefilling)
+        return shared - self.cache.match_length(request) >= self.pool.page_size
 
     def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> bool:
         """Moves a waiting request into the batch with a first chunk; False if it cannot."""
