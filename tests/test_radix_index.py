@@ -52,14 +52,14 @@ class Sim:
         assert self.read(pages, matched) == list(tokens[:matched]), "pages do not hold the matched prefix"
         full = matched // self.ps
         need = -(-len(tokens) // self.ps) - full
+        # Lock the matched path before evicting, as PrefixCache.attach does, so eviction
+        # cannot shorten the match this request is about to use.
+        self.index.lock(node)
         if self.pool.num_free < need:
             self.index.evict(need)
             if self.pool.num_free < need:
+                self.index.unlock(node)
                 return False
-            # eviction may have shortened the match; redo it (nodes in use are untouched)
-            matched, pages, node = self.index.match(tokens)
-            full = matched // self.ps
-            need = -(-len(tokens) // self.ps) - full
         own = pages[:full]
         self.pool.retain(own)
         fresh = self.pool.allocate(need)
@@ -70,7 +70,6 @@ class Sim:
         own = own + fresh
         for i in range(matched, len(tokens)):  # "compute" the rest
             self.slots[(own[i // self.ps], i % self.ps)] = tokens[i]
-        self.index.lock(node)
         leaf = self.index.insert(tokens, own)
         self.index.lock(leaf)
         self.index.unlock(node)
