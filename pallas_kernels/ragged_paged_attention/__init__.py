@@ -1,9 +1,17 @@
-"""Ragged paged attention over one flat batch of prefill chunks and decodes."""
+"""Ragged paged attention over one flat batch of prefill chunks and decodes.
 
+``reference`` (pure JAX; the CPU path and the oracle), ``tpu`` (Pallas Mosaic kernels)
+and ``gpu`` (Pallas Triton kernels) share one contract: ``write_kv`` / ``ref_write_kv``
+and ``ragged_paged_attention`` / ``ref_ragged_paged_attention`` take the same arguments
+and return the same outputs, over the layout each module's ``get_kv_cache_shape`` gives.
+"""
+
+from pallas_kernels.ragged_paged_attention import gpu, tpu
+from pallas_kernels.ragged_paged_attention.common import BlockSizes
 from pallas_kernels.ragged_paged_attention.reference import (
     get_kv_cache_shape,
     ref_ragged_paged_attention,
     ref_write_kv,
 )
 
-__all__ = ["get_kv_cache_shape", "ref_ragged_paged_attention", "ref_write_kv"]
+__all__ = ["BlockSizes", "get_kv_cache_shape", "gpu", "ref_ragged_paged_attention", "ref_write_kv", "tpu"]

@@ -1,0 +1,234 @@
+"""What the ragged paged attention implementations share: block sizes, the KV layout,
+input validation and the query-block plan the kernels run over.
+
+The plan cuts the flat ragged batch into query blocks, each holding tokens of one
+sequence only, and gathers each block's queries into a dense tile per KV head::
+
+    tokens  | s0 chunk (20 tokens)          | s1 | s2 | pad |
+    blocks  [ s0[0:16] ][ s0[16:20] ]  [ s1 ][ s2 ]  [unused ...]
+            chunk blocks (block_q tokens)    decode blocks (1 token)
+
+    tile[block, kv_head] = [block_q * group rows, head_dim]
+                            row r = (token r // group, query head r % group)
+
+so one kernel program reads each KV page of its sequence once for all the query heads
+that share the KV head (GQA) and all the block's tokens. Decodes and chunks are two
+kernel calls with different tile heights, so a decode never pays for ``block_q`` rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+import jax
+import jax.numpy as jnp
+
+MASKED = -1e30  # finite "minus infinity": fully masked rows stay NaN-free
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiling of one attention call. Chosen by the caller, never derived from the device.
+
+    Attributes:
+        block_q: query tokens per block of a prefill chunk.
+        block_pages: KV pages per KV block (one online-softmax step; one DMA batch).
+    """
+
+    block_q: int = 16
+    block_pages: int = 8
+
+    def __post_init__(self):
+        for name in ("block_q", "block_pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"BlockSizes.{name} must be a positive int, got {value!r}")
+
+
+DEFAULT_BLOCK_SIZES = BlockSizes()
+
+
+def kv_cache_shape(
+    num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *, head_dim_padded: int
+) -> tuple[int, ...]:
+    """The head-major KV layout every implementation shares (see ``reference.py``)::
+
+    kv_cache[2 * num_kv_heads, num_layers, num_pages, page_size, head_dim_padded]
+
+    ``head_dim_padded >= head_dim``; the padding lanes hold zeros and never change a
+    score or an output.
+    """
+    for name, value in (
+        ("num_layers", num_layers),
+        ("num_pages", num_pages),
+        ("page_size", page_size),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+    ):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if num_pages < 2:
+        raise ValueError(f"num_pages must be >= 2 (page 0 is scratch), got {num_pages}")
+    shape = (2 * num_kv_heads, num_layers, num_pages, page_size, max(head_dim, head_dim_padded))
+    return tuple(int(x) for x in shape)
+
+
+def _is_int(value) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def check_write_inputs(kv_cache, slot_mapping, k, v) -> None:
+    """Static checks of a KV write; raises ValueError naming the argument."""
+    if kv_cache.ndim != 5:
+        raise ValueError(f"kv_cache must be [2*Hkv, L, num_pages, page_size, D], got shape {kv_cache.shape}")
+    num_kv_heads = kv_cache.shape[0] // 2
+    if k.ndim != 3 or k.shape != v.shape:
+        raise ValueError(f"k and v must both be [T, Hkv, head_dim], got {k.shape} and {v.shape}")
+    if k.shape[1] != num_kv_heads or k.shape[2] > kv_cache.shape[4]:
+        raise ValueError(
+            f"k is [T, Hkv, head_dim] = {k.shape}, but kv_cache {kv_cache.shape} holds "
+            f"{num_kv_heads} KV heads of head_dim <= {kv_cache.shape[4]}"
+        )
+    if slot_mapping.shape != (k.shape[0],) or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise ValueError(f"slot_mapping must be int [T={k.shape[0]}], got {slot_mapping.dtype}{slot_mapping.shape}")
+
+
+def check_attention_inputs(q, kv_cache, kv_lens, page_table, query_start_loc) -> None:
+    """Static checks of an attention call; raises ValueError naming the argument."""
+    if kv_cache.ndim != 5 or kv_cache.shape[0] % 2:
+        raise ValueError(f"kv_cache must be [2*Hkv, L, num_pages, page_size, D], got shape {kv_cache.shape}")
+    num_kv_heads = kv_cache.shape[0] // 2
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, head_dim], got shape {q.shape}")
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the cache's {num_kv_heads} KV heads")
+    if q.shape[2] > kv_cache.shape[4]:
+        raise ValueError(f"q head_dim {q.shape[2]} exceeds the cache's head_dim {kv_cache.shape[4]}")
+    if page_table.ndim != 2:
+        raise ValueError(f"page_table must be [S, pages_per_seq], got shape {page_table.shape}")
+    num_seqs = page_table.shape[0]
+    if kv_lens.shape != (num_seqs,):
+        raise ValueError(f"kv_lens must be [S={num_seqs}], got shape {kv_lens.shape}")
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must be [S+1={num_seqs + 1}], got shape {query_start_loc.shape}")
+    for name, x in (("kv_lens", kv_lens), ("page_table", page_table), ("query_start_loc", query_start_loc)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array, got {x.dtype}")
+
+
+def query_blocks(query_start_loc: jax.Array, is_mine: jax.Array, num_blocks: int, block_q: int):
+    """Splits the query tokens of the sequences where ``is_mine`` into blocks of at most
+    ``block_q`` tokens. Returns, per block: its sequence (clamped), whether it is used,
+    its first token index and its number of real tokens (0 when unused).
+    ``num_blocks`` must cover the worst case.
+    """
+    num_seqs = query_start_loc.shape[0] - 1
+    q_lens = jnp.where(is_mine, query_start_loc[1:] - query_start_loc[:-1], 0)
+    per_seq = (q_lens + block_q - 1) // block_q
+    ends = jnp.cumsum(per_seq)
+    block = jnp.arange(num_blocks)
+    seq = jnp.searchsorted(ends, block, side="right")
+    used = seq < num_seqs
+    seq_c = jnp.minimum(seq, num_seqs - 1)
+    index_in_seq = block - (ends[seq_c] - per_seq[seq_c])
+    start = query_start_loc[seq_c] + index_in_seq * block_q
+    length = jnp.where(used, jnp.clip(q_lens[seq_c] - index_in_seq * block_q, 0, block_q), 0)
+    return seq_c, used, start, length
+
+
+def decode_block_tokens(group: int) -> int:
+    """Tokens per decode block: one, or two when a KV head has one query head (so the
+    score matmul has >= 2 rows, which XLA:CPU rounds like any larger row count)."""
+    return 1 if group >= 2 else 2
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """One kernel call's query blocks (``G`` of them) as dense per-KV-head tiles.
+
+    Attributes:
+        seq, first_pos, num_tokens: [G] int32 per block: its sequence, the position in
+            that sequence of its first token, its real token count (0 = unused block).
+        rows: [G, block_tokens] token index of each block row; padding rows -> T.
+        tiles: [G, Hkv, tile_rows, D] queries, row r = (token r // group, head r % group),
+            zero-padded to ``tile_rows``.
+    """
+
+    seq: jax.Array
+    first_pos: jax.Array
+    num_tokens: jax.Array
+    rows: jax.Array
+    tiles: jax.Array
+
+
+def plan_blocks(
+    q: jax.Array,  # [T, Hq, D] already padded to the cache's head_dim
+    kv_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    num_kv_heads: int,
+    decode: bool,
+    block_q: int,
+    row_multiple: int,
+) -> tuple[BlockPlan, int]:
+    """Builds the decode plan (``decode=True``) or the prefill-chunk plan of a batch.
+
+    Returns the plan and its tokens per block.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = kv_lens.shape[0]
+    group = num_heads // num_kv_heads
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if decode:
+        tokens_per_block, num_blocks, mine = decode_block_tokens(group), num_seqs, q_lens == 1
+    else:
+        tokens_per_block, num_blocks, mine = block_q, num_tokens // block_q + num_seqs, q_lens != 1
+    seq, used, start, length = query_blocks(query_start_loc, mine, num_blocks, tokens_per_block)
+    first_pos = kv_lens[seq] - q_lens[seq] + (start - query_start_loc[seq])
+    offsets = jnp.arange(tokens_per_block)
+    rows = jnp.where(offsets[None, :] < length[:, None], start[:, None] + offsets[None, :], num_tokens)
+    q_pad = jnp.concatenate([q, jnp.zeros((1, num_heads, head_dim), q.dtype)])
+    tiles = q_pad[rows].reshape(num_blocks, tokens_per_block, num_kv_heads, group, head_dim)
+    tiles = tiles.transpose(0, 2, 1, 3, 4).reshape(num_blocks, num_kv_heads, tokens_per_block * group, head_dim)
+    tile_rows = math.ceil(tokens_per_block * group / row_multiple) * row_multiple
+    tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, tile_rows - tokens_per_block * group), (0, 0)))
+    i32 = jnp.int32
+    plan = BlockPlan(seq.astype(i32), first_pos.astype(i32), length.astype(i32), rows, tiles)
+    return plan, tokens_per_block
+
+
+def untile(out: jax.Array, tokens_per_block: int, group: int) -> jax.Array:
+    """Tile outputs [G, Hkv, tile_rows, D] back to block rows [G * tokens_per_block, Hq, D],
+    in the order of ``BlockPlan.rows``."""
+    num_blocks, num_kv_heads, _, head_dim = out.shape
+    out = out[:, :, : tokens_per_block * group]
+    out = out.reshape(num_blocks, num_kv_heads, tokens_per_block, group, head_dim).transpose(0, 2, 1, 3, 4)
+    return out.reshape(num_blocks * tokens_per_block, num_kv_heads * group, head_dim)
+
+
+def kv_block_range(first_pos, num_tokens, kv_len, window, block_kv: int):
+    """The KV blocks a query block can see, as [lo, hi): from the block holding the
+    sliding window's first position for the block's first token, through the block
+    holding its last token. Empty for an unused block. Scalar jnp ops, so kernels of
+    every backend use it as is."""
+    lowest = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
+    lo = lowest // block_kv
+    hi = (jnp.minimum(first_pos + num_tokens, kv_len) + block_kv - 1) // block_kv
+    return lo, jnp.where(num_tokens > 0, hi, lo)
+
+
+def pad_page_table(page_table: jax.Array, block_pages: int) -> jax.Array:
+    """Pads each row to a whole number of KV blocks with page 0 (scratch, never read
+    unmasked: the padded entries lie beyond every kv_len)."""
+    return jnp.pad(page_table, ((0, 0), (0, -page_table.shape[1] % block_pages)))
+
+
+def pad_head_dim(x: jax.Array, head_dim: int) -> jax.Array:
+    """Zero-pads the last axis to ``head_dim`` (zero lanes add nothing to a dot)."""
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, head_dim - x.shape[-1])])

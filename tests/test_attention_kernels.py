@@ -1,0 +1,251 @@
+"""Ragged paged attention: the pure-JAX reference against a naive per-sequence numpy
+attention, and the Pallas TPU / GPU kernels (interpret mode on CPU) against the reference.
+
+Table-driven over (q_len, kv_len) cases; unused pages and padding are NaN so a stray read
+shows up as NaN in the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_paged_attention import (
+    BlockSizes,
+    get_kv_cache_shape,
+    gpu,
+    ref_ragged_paged_attention,
+    ref_write_kv,
+    tpu,
+)
+
+CASES = {
+    "decode_only": [(1, 1), (1, 17), (1, 40), (1, 5)],
+    "prefill_only": [(23, 23), (7, 7)],
+    "mixed": [(1, 33), (12, 20), (1, 9), (16, 16)],
+    "random": None,
+}
+
+
+def _naive(q, k_seq, v_seq, kv_len, window):
+    """q [n, Hq, D]; k/v [kv_len, Hkv, D]: causal (optionally windowed) attention."""
+    n, hq, d = q.shape
+    group = hq // k_seq.shape[1]
+    out = np.zeros_like(q, dtype=np.float64)
+    for i in range(n):
+        pos = kv_len - n + i
+        lo = max(0, pos - window + 1) if window else 0
+        for h in range(hq):
+            kk, vv = k_seq[lo : pos + 1, h // group], v_seq[lo : pos + 1, h // group]
+            s = kk.astype(np.float64) @ q[i, h] / np.sqrt(d)
+            p = np.exp(s - s.max())
+            out[i, h] = (p / p.sum()) @ vv
+    return out
+
+
+@dataclasses.dataclass
+class Case:
+    kv_cache: np.ndarray  # cached tokens written, everything else NaN
+    q: np.ndarray
+    k_new: np.ndarray
+    v_new: np.ndarray
+    slot_mapping: np.ndarray
+    kv_lens: np.ndarray
+    page_table: np.ndarray
+    query_start_loc: np.ndarray
+    num_real_tokens: int
+    num_written: int
+    expected: np.ndarray  # naive attention of the real tokens
+
+
+def make_case(seqs, num_heads, num_kv_heads, head_dim, *, window=0, page_size=4, cache_shape_fn=get_kv_cache_shape):
+    """A ragged batch of ``seqs`` = [(q_len, kv_len)], one padding sequence and 3 padding
+    tokens, pages scattered at random through a NaN-filled cache (layer 1 of 2)."""
+    rng = np.random.RandomState(0)
+    pages_per_seq = max(-(-kv // page_size) for _, kv in seqs) + 1
+    num_pages = len(seqs) * pages_per_seq + 2
+    kv_cache = np.full(cache_shape_fn(2, num_pages, page_size, num_kv_heads, head_dim), np.nan, np.float32)
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    num_tokens = sum(q for q, _ in seqs) + 3  # 3 padding tokens
+    q_all = np.full((num_tokens, num_heads, head_dim), np.nan, np.float32)
+    page_table = np.zeros((len(seqs) + 1, pages_per_seq), np.int32)  # + one padding sequence
+    qsl, kv_lens, new_k, new_v, slots, expected = [0], [], [], [], [], []
+    for s, (q_len, kv_len) in enumerate(seqs):
+        pages = [free.pop() for _ in range(-(-kv_len // page_size))]
+        page_table[s, : len(pages)] = pages
+        k_seq = rng.randn(kv_len, num_kv_heads, head_dim).astype(np.float32)
+        v_seq = rng.randn(kv_len, num_kv_heads, head_dim).astype(np.float32)
+        q = rng.randn(q_len, num_heads, head_dim).astype(np.float32)
+        for pos in range(kv_len):
+            slot = pages[pos // page_size] * page_size + pos % page_size
+            if pos < kv_len - q_len:  # cached before this step
+                kv = np.concatenate([k_seq[pos], v_seq[pos]])
+                kv_cache[:, 1, slot // page_size, slot % page_size] = 0.0
+                kv_cache[:, 1, slot // page_size, slot % page_size, :head_dim] = kv
+            else:  # written by this step
+                new_k.append(k_seq[pos]), new_v.append(v_seq[pos]), slots.append(slot)
+        q_all[qsl[-1] : qsl[-1] + q_len] = q
+        qsl.append(qsl[-1] + q_len)
+        kv_lens.append(kv_len)
+        expected.append(_naive(q, k_seq, v_seq, kv_len, window))
+    qsl.append(qsl[-1])
+    kv_lens.append(0)
+    q_all[qsl[-1] :] = 0.0  # padding queries are finite; their rows must come out zero
+    pad = num_tokens - len(slots)
+    zeros = np.zeros((pad, num_kv_heads, head_dim), np.float32)
+    return Case(
+        kv_cache=kv_cache,
+        q=q_all,
+        k_new=np.concatenate([np.stack(new_k), zeros]),
+        v_new=np.concatenate([np.stack(new_v), zeros]),
+        slot_mapping=np.asarray(slots + [0] * pad, np.int32),
+        kv_lens=np.asarray(kv_lens, np.int32),
+        page_table=page_table,
+        query_start_loc=np.asarray(qsl, np.int32),
+        num_real_tokens=qsl[-1],
+        num_written=len(slots),
+        expected=np.concatenate(expected),
+    )
+
+
+def _case_seqs(case):
+    rng = np.random.RandomState(0)
+    return CASES[case] or [(q, q + rng.randint(0, 30)) for q in rng.randint(1, 12, size=5)]
+
+
+def _run(write, attend, c: Case, window, block_sizes, **kw):
+    cache = write(c.kv_cache, np.int32(1), c.slot_mapping, c.k_new, c.v_new, **kw)
+    out = attend(
+        c.q,
+        cache,
+        np.int32(1),
+        c.kv_lens,
+        c.page_table,
+        c.query_start_loc,
+        np.int32(window),
+        sm_scale=c.q.shape[2] ** -0.5,
+        block_sizes=block_sizes,
+        **kw,
+    )
+    return np.asarray(cache), np.asarray(out)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
+@pytest.mark.parametrize("window, block_q", [(0, 16), (6, 4)])
+def test_reference_matches_naive(case, num_heads, num_kv_heads, head_dim, window, block_q):
+    c = make_case(_case_seqs(case), num_heads, num_kv_heads, head_dim, window=window)
+    cache, out = _run(ref_write_kv, ref_ragged_paged_attention, c, window, BlockSizes(block_q=block_q, block_pages=2))
+    np.testing.assert_allclose(out[: c.num_real_tokens], c.expected, atol=2e-5, rtol=1e-5)
+    assert np.all(out[c.num_real_tokens :] == 0)
+    # Layer 0 untouched (still all NaN); layer 1's written slots hold exactly the new K/V.
+    assert np.isnan(cache[:, 0]).all()
+    slots = c.slot_mapping[: c.num_written]
+    written = cache[:, 1, slots // 4, slots % 4].transpose(1, 0, 2)  # [2*Hkv, n, D] -> [n, 2*Hkv, D]
+    np.testing.assert_array_equal(written, np.concatenate([c.k_new, c.v_new], axis=1)[: c.num_written])
+
+
+def test_extra_kv_blocks_do_not_change_a_token_bitwise():
+    """A decode's output is bit-identical whether the batch's longest sequence is short or long."""
+    rng = np.random.RandomState(1)
+    page_size, d = 4, 16
+    cache = rng.randn(*get_kv_cache_shape(1, 32, page_size, 2, d)).astype(np.float32)
+    q = rng.randn(2, 4, d).astype(np.float32)
+    pt = np.arange(1, 17, dtype=np.int32).reshape(2, 8)
+    args = {"sm_scale": 0.25, "block_sizes": BlockSizes(block_q=4, block_pages=1)}
+    alone = ref_ragged_paged_attention(
+        q[:1], cache, np.int32(0), np.asarray([5, 0], np.int32), pt, np.asarray([0, 1, 1], np.int32), 0, **args
+    )
+    with_long = ref_ragged_paged_attention(
+        q, cache, np.int32(0), np.asarray([5, 30], np.int32), pt, np.asarray([0, 1, 2], np.int32), 0, **args
+    )
+    np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(with_long)[0])
+
+
+KERNELS = {"pallas_tpu": tpu, "pallas_gpu": gpu}
+# (q heads, KV heads, head_dim, page_size): GQA ratios 3 (SmolLM2, odd KV heads), 1, 4, 8;
+# head_dim 64 and 128; pages of 16 and 32.
+KERNEL_SHAPES = [(9, 3, 64, 16), (4, 4, 128, 32), (8, 2, 64, 32), (8, 1, 128, 16)]
+KERNEL_CASES = {
+    "decode_only": [(1, 1), (1, 70), (1, 33), (1, 5)],
+    "prefill_only": [(40, 40), (7, 7)],
+    "mixed": [(1, 97), (20, 60), (1, 9), (16, 16)],
+    "random": None,
+}
+
+
+def _kernel_case_seqs(case):
+    rng = np.random.RandomState(1)
+    return KERNEL_CASES[case] or [(q, q + rng.randint(0, 80)) for q in rng.randint(1, 30, size=4)]
+
+
+def _check_kernel(mod, c: Case, window, block_sizes, *, atol, rtol):
+    ref_cache, ref_out = _run(ref_write_kv, ref_ragged_paged_attention, c, window, block_sizes)
+    cache, out = _run(mod.write_kv, mod.ragged_paged_attention, c, window, block_sizes, interpret=True)
+    assert out.shape == ref_out.shape and out.dtype == ref_out.dtype
+    np.testing.assert_allclose(
+        out[: c.num_real_tokens].astype(np.float32),
+        ref_out[: c.num_real_tokens].astype(np.float32),
+        atol=atol,
+        rtol=rtol,
+    )
+    assert np.all(out[c.num_real_tokens :] == 0)
+    # The written pages match exactly; page 0 is scratch, where padding tokens race.
+    np.testing.assert_array_equal(cache[:, :, 1:].astype(np.float32), ref_cache[:, :, 1:].astype(np.float32))
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, page_size", KERNEL_SHAPES)
+def test_kernel_matches_reference(kernel, case, num_heads, num_kv_heads, head_dim, page_size):
+    mod = KERNELS[kernel]
+    c = make_case(
+        _kernel_case_seqs(case),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        page_size=page_size,
+        cache_shape_fn=mod.get_kv_cache_shape,
+    )
+    _check_kernel(mod, c, 0, BlockSizes(block_q=16, block_pages=2), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_kernel_sliding_window_and_small_blocks(kernel):
+    mod = KERNELS[kernel]
+    c = make_case(_kernel_case_seqs("mixed"), 9, 3, 64, window=20, page_size=16, cache_shape_fn=mod.get_kv_cache_shape)
+    _check_kernel(mod, c, 20, BlockSizes(block_q=8, block_pages=1), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_kernel_bfloat16(kernel):
+    import ml_dtypes
+
+    mod = KERNELS[kernel]
+    c = make_case(_kernel_case_seqs("mixed"), 8, 2, 64, page_size=16, cache_shape_fn=mod.get_kv_cache_shape)
+    bf16 = ml_dtypes.bfloat16
+    c = dataclasses.replace(
+        c,
+        kv_cache=c.kv_cache.astype(bf16),
+        q=c.q.astype(bf16),
+        k_new=c.k_new.astype(bf16),
+        v_new=c.v_new.astype(bf16),
+    )
+    _check_kernel(mod, c, 0, BlockSizes(block_q=16, block_pages=2), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_kernel_rejects_bad_inputs_by_name(kernel):
+    mod = KERNELS[kernel]
+    c = make_case([(1, 5)], 4, 2, 64, page_size=16, cache_shape_fn=mod.get_kv_cache_shape)
+    args = (c.kv_lens, c.page_table, c.query_start_loc)
+    with pytest.raises(ValueError, match="q has 3 heads"):
+        mod.ragged_paged_attention(c.q[:, :3], c.kv_cache, 1, *args, sm_scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="query_start_loc must be"):
+        mod.ragged_paged_attention(c.q, c.kv_cache, 1, c.kv_lens, c.page_table, c.query_start_loc[:-1], sm_scale=1.0)
+    with pytest.raises(ValueError, match="slot_mapping must be"):
+        mod.write_kv(c.kv_cache, 1, c.slot_mapping[:-1], c.k_new, c.v_new, interpret=True)
+    with pytest.raises(ValueError, match="block_q must be a positive int"):
+        BlockSizes(block_q=0)
