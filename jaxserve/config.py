@@ -7,7 +7,9 @@ from typing import Any
 
 import yaml
 
+from jaxserve.attention import BACKENDS
 from jaxserve.errors import ConfigError
+from jaxserve.parallel import MeshConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -28,7 +30,11 @@ class EngineConfig:
     # row count >= 64, so 64 makes a request's tokens independent of what else is batched
     # (at the cost of 64 rows of work for a lone decode). None = min(64, max_num_batched_tokens).
     min_token_bucket: int | None = None
-    attention_backend: str = "reference"
+    # auto: Pallas kernels on TPU / GPU, the pure-JAX reference on CPU.
+    attention_backend: str = "auto"
+    attention_interpret: bool = False  # Pallas kernels in interpret mode (CPU testing; slow)
+    # Tensor parallelism: {data: 1, model: N} shards weights and KV heads over N devices.
+    mesh: dict | None = None
     static_batching: bool = False  # baseline for benchmarks: no request joins a running batch
     enable_prefix_caching: bool = True
     prefix_match: str = "token"  # token (radix, exact divergence point) | page (whole pages only)
@@ -61,11 +67,15 @@ class EngineConfig:
             or (positive_int(self.min_token_bucket) and self.min_token_bucket <= self.max_num_batched_tokens),
             "an integer in [1, max_num_batched_tokens]",
         )
-        need("attention_backend", self.attention_backend in ("reference",), "one of reference")
+        need("attention_backend", self.attention_backend in BACKENDS, f"one of {', '.join(BACKENDS)}")
         need("prefix_match", self.prefix_match in ("token", "page"), "one of token, page")
         need("schedule_policy", self.schedule_policy in ("fcfs", "lpm"), "one of fcfs, lpm")
         need("lpm_aging_steps", positive_int(self.lpm_aging_steps), "an integer >= 1")
-        for key in ("static_batching", "enable_prefix_caching"):
+        try:
+            MeshConfig.from_option(self.mesh)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for key in ("static_batching", "enable_prefix_caching", "attention_interpret"):
             need(key, isinstance(getattr(self, key), bool), "true or false")
 
     @classmethod

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 
+from jaxserve.attention import AttentionBackend
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.page_pool import PagePool
@@ -22,6 +23,7 @@ from jaxserve.errors import ConfigError, RequestError
 from jaxserve.models.checkpoint import open_checkpoint
 from jaxserve.models.fetch import resolve_model
 from jaxserve.models.loading import default_dtype, load_model
+from jaxserve.parallel import MeshConfig, check_divisible, make_mesh
 from jaxserve.runner.model_runner import ModelRunner, RunnerConfig
 from jaxserve.sampling_params import SamplingParams
 
@@ -83,15 +85,26 @@ class LLM:
                 f"max_model_len = {self.max_model_len}: must be <= the model's "
                 f"max_position_embeddings ({mcfg.max_position_embeddings})"
             )
+        mesh_cfg = MeshConfig.from_option(cfg.mesh)
+        try:
+            self.mesh = make_mesh(mesh_cfg) if mesh_cfg.size > 1 else None
+            kv_heads = check_divisible(mcfg.num_heads, mcfg.num_kv_heads, mcfg.intermediate_size, mesh_cfg.model)
+            backend = AttentionBackend.resolve(
+                cfg.attention_backend, page_size=cfg.page_size, interpret=cfg.attention_interpret, mesh=self.mesh
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.attention_backend = backend
         num_pages = cfg.num_pages
-        if num_pages is None:
+        if num_pages is None:  # kv_cache_memory_gb is per device; a device holds 1/model of a page
             itemsize = 4 if dtype == "float32" else 2
-            per_page = mcfg.kv_bytes_per_token * itemsize * cfg.page_size
+            per_page = backend.kv_bytes_per_page(mcfg.num_layers, cfg.page_size, kv_heads, mcfg.head_dim, itemsize)
+            per_page //= mesh_cfg.model
             num_pages = max(int(cfg.kv_cache_memory_gb * 2**30 // per_page), 2)
         self.pool = PagePool(num_pages, cfg.page_size)
         if self.pool.num_usable < self.pool.pages_needed(self.max_model_len):
             self.max_model_len = self.pool.num_usable * cfg.page_size
-        model = load_model(ckpt, dtype, progress=progress)
+        model = load_model(ckpt, dtype, progress=progress, mesh=self.mesh)
         self.runner = ModelRunner(
             model,
             RunnerConfig(
@@ -101,7 +114,7 @@ class LLM:
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 max_num_seqs=cfg.max_num_seqs,
                 min_token_bucket=cfg.min_token_bucket or min(64, cfg.max_num_batched_tokens),
-                attention_backend=cfg.attention_backend,
+                attention_backend=backend,
             ),
         )
         self.eos_token_ids = set(mcfg.eos_token_ids)

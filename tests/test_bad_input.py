@@ -140,7 +140,10 @@ def test_unknown_alias():
         ({"page_size": 12}, "page_size = 12: must be one of 8, 16, 32, 64, 128"),
         ({"dtype": "int4"}, "dtype = 'int4': must be one of float32, bfloat16, float16"),
         ({"max_num_seqs": 0}, "max_num_seqs = 0: must be an integer >= 1"),
-        ({"attention_backend": "cuda"}, "attention_backend = 'cuda': must be one of reference"),
+        (
+            {"attention_backend": "cuda"},
+            "attention_backend = 'cuda': must be one of auto, reference, pallas_tpu, pallas_gpu",
+        ),
         ({"page_sizes": 16}, "unknown engine option.*page_sizes.*allowed:.*page_size"),
     ],
 )

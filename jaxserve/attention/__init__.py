@@ -3,22 +3,34 @@
 One flat ragged batch per step: decodes (one token each) and prefill chunks side by
 side. The runner builds an :class:`AttentionMetadata`; the model writes each new
 token's K/V through ``slot_mapping`` and attends over ``page_table`` / ``kv_lens``.
-Backends: ``reference`` (pure JAX, CPU default). Pallas kernels plug in here.
+
+Backends (``attention_backend``):
+
+- ``reference``: pure JAX (``pallas_kernels/ragged_paged_attention/reference.py``); the
+  CPU path and the oracle.
+- ``pallas_tpu``: Pallas Mosaic kernels (``.../tpu.py``).
+- ``pallas_gpu``: Pallas Triton kernels (``.../gpu.py``).
+- ``auto``: ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, ``reference`` elsewhere.
+
+The Pallas backends run on CPU only in interpret mode (``attention_interpret``), which
+is how CI checks them. Each backend owns its KV layout (``kv_cache_shape``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.ragged_paged_attention import (
-    get_kv_cache_shape,
-    ref_ragged_paged_attention,
-    ref_write_kv,
-)
+from jaxserve.parallel import MODEL
+from pallas_kernels.ragged_paged_attention import BlockSizes, gpu, reference, tpu
 
-BACKENDS = ("reference",)
+BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+_KERNELS = {"pallas_tpu": tpu, "pallas_gpu": gpu}
+_PLATFORM_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
 
 
 @jax.tree_util.register_dataclass
@@ -39,33 +51,101 @@ class AttentionMetadata:
         return self.input_ids.shape[0]
 
 
-def check_backend(name: str) -> str:
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend {name!r} is not one of: {', '.join(BACKENDS)}")
-    return name
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """A resolved backend: hashable, so the jitted step closes over it as a constant.
+
+    Attributes:
+        name: ``reference``, ``pallas_tpu`` or ``pallas_gpu``.
+        interpret: run the Pallas kernels in interpret mode (CPU testing).
+        block_sizes: the kernels' tiling.
+        mesh: with tensor parallelism, the device mesh: the KV write and attention then
+            run per shard of KV heads (``shard_map`` over the ``model`` axis).
+    """
+
+    name: str = "reference"
+    interpret: bool = False
+    block_sizes: BlockSizes = BlockSizes()
+    mesh: Mesh | None = None
+
+    @classmethod
+    def resolve(
+        cls,
+        name: str,
+        *,
+        page_size: int,
+        interpret: bool = False,
+        platform: str | None = None,
+        mesh: Mesh | None = None,
+    ):
+        """Picks the backend for ``name`` on ``platform`` (default: JAX's default backend).
+
+        Raises:
+            ValueError: an unknown name, or a Pallas backend on a platform it cannot run
+                on without ``interpret``.
+        """
+        if name not in BACKENDS:
+            raise ValueError(f"attention_backend {name!r} is not one of: {', '.join(BACKENDS)}")
+        platform = platform or jax.default_backend()
+        if name == "auto":
+            name = _PLATFORM_BACKEND.get(platform, "reference")
+        if name == "reference":
+            return cls("reference", False, BlockSizes(), mesh)
+        needs = "tpu" if name == "pallas_tpu" else "gpu"
+        if not interpret and _PLATFORM_BACKEND.get(platform) != name:
+            raise ValueError(
+                f"attention_backend {name!r} needs a {needs.upper()}, but JAX's platform is {platform!r}; "
+                f"use attention_backend: reference or auto, or attention_interpret: true to run the "
+                f"kernels in interpret mode (slow; for testing)"
+            )
+        # One KV block = 128 tokens; query tiles of about 128 (TPU) / 64 (GPU) rows.
+        block_pages = max(1, 128 // page_size)
+        return cls(name, interpret, BlockSizes(block_q=16, block_pages=block_pages), mesh)
+
+    def kv_cache_shape(
+        self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        mod = _KERNELS.get(self.name, reference)
+        return mod.get_kv_cache_shape(num_layers, num_pages, page_size, num_kv_heads, head_dim)
+
+    def kv_bytes_per_page(self, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, itemsize: int):
+        """Bytes one page takes across all layers and heads, padding included."""
+        return math.prod(self.kv_cache_shape(num_layers, 2, page_size, num_kv_heads, head_dim)) // 2 * itemsize
+
+    def write_kv(self, kv_cache, layer, slot_mapping, k, v):
+        if self.name == "reference":
+            return reference.ref_write_kv(kv_cache, layer, slot_mapping, k, v)
+        return _KERNELS[self.name].write_kv(kv_cache, layer, slot_mapping, k, v, interpret=self.interpret)
+
+    def write_and_attend(self, q, k, v, kv_cache, layer, md: AttentionMetadata, sliding_window, *, sm_scale: float):
+        """Writes this step's K/V, then attends. Returns (output [T, Hq, D], kv_cache).
+
+        With a mesh, each device runs both on its own KV heads and query heads; the
+        metadata is replicated. No communication happens inside attention.
+        """
+
+        def local(q, k, v, kv_cache, layer, md, sliding_window):
+            kv_cache = self.write_kv(kv_cache, layer, md.slot_mapping, k, v)
+            return self.attention(q, kv_cache, layer, md, sliding_window, sm_scale=sm_scale), kv_cache
+
+        if self.mesh is None:
+            return local(q, k, v, kv_cache, layer, md, sliding_window)
+        heads = P(None, MODEL, None)
+        return jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(heads, heads, heads, P(MODEL), P(), P(), P()),
+            out_specs=(heads, P(MODEL)),
+            check_vma=False,
+        )(q, k, v, kv_cache, layer, md, sliding_window)
+
+    def attention(self, q, kv_cache, layer, md: AttentionMetadata, sliding_window, *, sm_scale: float):
+        args = (q, kv_cache, layer, md.kv_lens, md.page_table, md.query_start_loc, sliding_window)
+        if self.name == "reference":
+            return reference.ref_ragged_paged_attention(*args, sm_scale=sm_scale, block_sizes=self.block_sizes)
+        return _KERNELS[self.name].ragged_paged_attention(
+            *args, sm_scale=sm_scale, block_sizes=self.block_sizes, interpret=self.interpret
+        )
 
 
-def kv_cache_shape(
-    backend: str, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int
-) -> tuple[int, ...]:
-    check_backend(backend)
-    return get_kv_cache_shape(num_layers, num_pages, page_size, num_kv_heads, head_dim)
-
-
-def write_kv(backend: str, kv_cache, layer, slot_mapping, k, v):
-    check_backend(backend)
-    return ref_write_kv(kv_cache, layer, slot_mapping, k, v)
-
-
-def paged_attention(backend: str, q, kv_cache, layer, md: AttentionMetadata, sliding_window, *, sm_scale: float):
-    check_backend(backend)
-    return ref_ragged_paged_attention(
-        q,
-        kv_cache,
-        layer,
-        md.kv_lens,
-        md.page_table,
-        md.query_start_loc,
-        sliding_window,
-        sm_scale=sm_scale,
-    )
+REFERENCE = AttentionBackend()

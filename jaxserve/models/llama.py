@@ -3,7 +3,7 @@
 The model consumes the engine's flat ragged token batch directly; there is no separate
 prefill path. Layers are stacked (every per-layer parameter has a leading ``[L]`` axis)
 and run under ``jax.lax.scan``, so compile time does not grow with depth; the KV cache
-``[L, num_pages, page_size, 2*Hkv, D]`` rides in the scan carry and is updated in place.
+(layout: ``jaxserve.attention``) rides in the scan carry and is updated in place.
 
 Parameter layout: linear kernels are ``[in, out]`` (Hugging Face stores ``[out, in]``).
 """
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.attention import AttentionMetadata, paged_attention, write_kv
+from jaxserve.attention import REFERENCE, AttentionBackend, AttentionMetadata
 from jaxserve.models.config import ModelConfig, rope_inv_freq
 
 
@@ -70,7 +70,7 @@ class DecoderLayer(nnx.Module):
         cos: jax.Array,
         sin: jax.Array,
         md: AttentionMetadata,
-        backend: str,
+        backend: AttentionBackend,
     ) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
         t = x.shape[0]
@@ -86,8 +86,9 @@ class DecoderLayer(nnx.Module):
             if cfg.qk_norm:
                 q, k = rms_norm(q, self.q_norm[...], eps), rms_norm(k, self.k_norm[...], eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            kv_cache = write_kv(backend, kv_cache, layer, md.slot_mapping, k, v)
-            o = paged_attention(backend, q, kv_cache, layer, md, sliding_window, sm_scale=cfg.head_dim**-0.5)
+            o, kv_cache = backend.write_and_attend(
+                q, k, v, kv_cache, layer, md, sliding_window, sm_scale=cfg.head_dim**-0.5
+            )
             x = x + o.reshape(t, -1) @ self.o_proj[...]
         with jax.named_scope("mlp"):
             h = rms_norm(x, self.post_attention_norm[...], eps)
@@ -113,7 +114,7 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
     def __call__(
-        self, kv_cache: jax.Array, md: AttentionMetadata, backend: str = "reference"
+        self, kv_cache: jax.Array, md: AttentionMetadata, backend: AttentionBackend = REFERENCE
     ) -> tuple[jax.Array, jax.Array]:
         """Runs one step. Returns (logits [S, V] float32 at ``md.logits_indices``, kv_cache)."""
         cfg = self.cfg

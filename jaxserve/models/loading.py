@@ -8,15 +8,19 @@ stacked ``[L, ...]`` buffer, and put on device.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxserve.errors import ModelLoadError
 from jaxserve.models.checkpoint import Checkpoint
 from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.parallel import MODEL, check_divisible, param_sharding, replicate_kv_heads
 
 # Our parameter (under `layers`) -> (Hugging Face name under model.layers.N., transpose).
 _LAYER_PARAMS = {
@@ -41,6 +45,8 @@ _GLOBAL_PARAMS = {
     "lm_head": ("lm_head.weight", True),
 }
 
+_KV_PARAMS = ("k_proj", "v_proj", "k_bias", "v_bias")  # last axis is [Hkv * head_dim]
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -60,13 +66,37 @@ def _convert(w: np.ndarray, transpose: bool, shape: tuple[int, ...], dtype, name
     return w.astype(dtype)
 
 
-def load_model(ckpt: Checkpoint, dtype: str = "float32", progress: bool = True) -> LlamaForCausalLM:
-    """Builds the model described by ``ckpt`` and loads its weights in ``dtype``."""
+def load_model(
+    ckpt: Checkpoint, dtype: str = "float32", progress: bool = True, mesh: Mesh | None = None
+) -> LlamaForCausalLM:
+    """Builds the model described by ``ckpt`` and loads its weights in ``dtype``.
+
+    With a ``mesh``, every tensor goes straight to its shards (``jaxserve.parallel``):
+    each device receives only its slice. KV heads fewer than the ``model`` axis are
+    replicated first, and the returned model's config counts the replicated heads.
+
+    Raises:
+        ModelLoadError: a bad checkpoint, dtype, or a model the mesh does not divide.
+    """
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not one of: {', '.join(DTYPES)}")
     jdtype = DTYPES[dtype]
     np_dtype = np.dtype(jdtype)
     cfg = ckpt.config
+    model_axis = mesh.shape[MODEL] if mesh is not None else 1
+    try:
+        kv_heads = check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, model_axis)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    kv_factor = kv_heads // cfg.num_kv_heads
+    orig_kv_heads = cfg.num_kv_heads
+    cfg = dataclasses.replace(cfg, num_kv_heads=kv_heads)
+
+    def put(name: str, w: np.ndarray) -> jax.Array:
+        if mesh is None:
+            return jax.device_put(w)
+        return jax.device_put(w, param_sharding(mesh, name, w.shape))
+
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, jdtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     shapes = nnx.to_pure_dict(state)
@@ -82,18 +112,21 @@ def load_model(ckpt: Checkpoint, dtype: str = "float32", progress: bool = True) 
         if ours == "lm_head" and hf_name not in names:
             raise ModelLoadError(f"{ckpt.path} has no {hf_name} but the config does not tie embeddings")
         shape = tuple(shapes[ours].shape)
-        params[ours] = jax.device_put(_convert(ckpt.read(hf_name), transpose, shape, np_dtype, hf_name))
+        params[ours] = put(ours, _convert(ckpt.read(hf_name), transpose, shape, np_dtype, hf_name))
         bar.update()
     for ours, (suffix, transpose) in _LAYER_PARAMS.items():
         if ours not in shapes["layers"]:
             continue
         shape = tuple(shapes["layers"][ours].shape)
+        per_head_kv = ours in _KV_PARAMS and kv_factor > 1
+        file_shape = (*shape[1:-1], shape[-1] // kv_factor) if per_head_kv else shape[1:]
         stacked = np.empty(shape, np_dtype)
         for i in range(cfg.num_layers):
             hf_name = f"model.layers.{i}.{suffix}"
-            stacked[i] = _convert(ckpt.read(hf_name), transpose, shape[1:], np_dtype, hf_name)
+            w = _convert(ckpt.read(hf_name), transpose, file_shape, np_dtype, hf_name)
+            stacked[i] = replicate_kv_heads(w, orig_kv_heads, kv_factor) if per_head_kv else w
             bar.update()
-        params["layers"][ours] = jax.device_put(stacked)
+        params["layers"][ours] = put(ours, stacked)
     bar.close()
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)

@@ -15,8 +15,9 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxserve.attention import AttentionMetadata, kv_cache_shape
+from jaxserve.attention import REFERENCE, AttentionBackend, AttentionMetadata
 from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.parallel import kv_cache_sharding, replicated
 from jaxserve.runner import compile_counter
 from jaxserve.runner.batch import PackedBatch, ScheduledSeq, make_buckets, pack
 from jaxserve.runner.sampler import MAX_BLOCKED, SamplerOutput, SamplingMetadata, sample
@@ -31,7 +32,7 @@ class RunnerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     min_token_bucket: int = 64
-    attention_backend: str = "reference"
+    attention_backend: AttentionBackend = REFERENCE
 
     @property
     def pages_per_seq(self) -> int:
@@ -64,23 +65,33 @@ class ModelRunner:
         mcfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
         dtype = model.embed[...].dtype
-        shape = kv_cache_shape(
-            cfg.attention_backend, mcfg.num_layers, cfg.num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim
+        shape = cfg.attention_backend.kv_cache_shape(
+            mcfg.num_layers, cfg.num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim
         )
-        self.kv_cache = jnp.zeros(shape, dtype)
+        mesh = cfg.attention_backend.mesh
+        if mesh is None:
+            self.kv_cache = jnp.zeros(shape, dtype)
+        else:  # allocated in place on every device: each holds its KV heads of every page
+            self.kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_sharding(mesh))()
         self.token_buckets, self.seq_buckets = make_buckets(
             cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.min_token_bucket
         )
         backend = cfg.attention_backend
 
-        def step(state, kv_cache, md: AttentionMetadata, smd: SamplingMetadata):
+        def run_model(state, kv_cache, md: AttentionMetadata):
             model = nnx.merge(self.graphdef, state)
             logits, kv_cache = model(kv_cache, md, backend)
+            if mesh is not None:  # the sampler sees whole rows; the cache stays sharded
+                logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
+                kv_cache = jax.lax.with_sharding_constraint(kv_cache, kv_cache_sharding(mesh))
+            return logits, kv_cache
+
+        def step(state, kv_cache, md: AttentionMetadata, smd: SamplingMetadata):
+            logits, kv_cache = run_model(state, kv_cache, md)
             return kv_cache, sample(logits, smd)
 
         def forward(state, kv_cache, md: AttentionMetadata):
-            model = nnx.merge(self.graphdef, state)
-            logits, kv_cache = model(kv_cache, md, backend)
+            logits, kv_cache = run_model(state, kv_cache, md)
             return kv_cache, logits
 
         def copy_pages(kv_cache, src, dst):

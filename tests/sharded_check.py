@@ -1,0 +1,135 @@
+"""Sharded-vs-one-device checks, run in a fresh process with simulated CPU devices.
+
+JAX fixes the device count when it starts, so ``tests/test_sharding.py`` runs this file
+as ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharded_check.py
+SCENARIO [ARGS]`` and reads the JSON report it prints last. Scenarios:
+
+- ``tiny KV_HEADS MODEL_AXIS``: a tiny Llama with 8 query heads;
+- ``gguf PATH MODEL_AXIS``: a real checkpoint (SmolLM2).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.runner.batch import ScheduledSeq  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10)
+
+
+def _tiny_model(num_kv_heads: int) -> str:
+    import torch
+    import transformers as tf
+
+    from tests.conftest import TINY, _tiny_tokenizer
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        **{**TINY, "num_attention_heads": 8, "num_key_value_heads": num_kv_heads}, tie_word_embeddings=False
+    )
+    path = tempfile.mkdtemp(prefix=f"tiny-kv{num_kv_heads}-")
+    tf.LlamaForCausalLM(cfg).save_pretrained(path)
+    _tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def _llm(path: str, mesh, **kw) -> LLM:
+    opts = dict(
+        dtype="float32",
+        page_size=8,
+        num_pages=160,
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=False,
+        progress=False,
+    )
+    return LLM(path, mesh=mesh, **{**opts, **kw})
+
+
+def _prompt_logits(llm: LLM, ids: list[int]) -> np.ndarray:
+    pages = llm.pool.allocate(llm.pool.pages_needed(len(ids)))
+    try:
+        return llm.runner.logits([ScheduledSeq(ids, 0, pages)])
+    finally:
+        llm.pool.release(pages)
+
+
+def _shard_shapes(x: jax.Array) -> list[list[int]]:
+    return sorted({tuple(s.data.shape) for s in x.addressable_shards})
+
+
+def compare(path: str, model_axis: int, vocab: int, extra_checks: bool) -> dict:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (45, 3, 70, 17)]
+    one = _llm(path, None)
+    sharded = _llm(path, {"model": model_axis})
+    report = {
+        "devices": len(jax.devices()),
+        "one": [o.token_ids for o in one.generate(prompts, GREEDY)],
+        "sharded": [o.token_ids for o in sharded.generate(prompts, GREEDY)],
+        "max_logit_diff": float(
+            np.abs(_prompt_logits(one, prompts[0][:32]) - _prompt_logits(sharded, prompts[0][:32])).max()
+        ),
+        "kv_cache_shape": list(sharded.runner.kv_cache.shape),
+        "kv_cache_spec": str(sharded.runner.kv_cache.sharding.spec),
+        "kv_shard_shapes": _shard_shapes(sharded.runner.kv_cache),
+        "kv_cache_devices": len(sharded.runner.kv_cache.sharding.device_set),
+        "num_kv_heads": sharded.runner.kv_cache.shape[0] // 2,
+        "weights": {
+            name: {"shape": list(w.shape), "shards": _shard_shapes(w)}
+            for name, w in (
+                ("q_proj", sharded.runner.state["layers"]["q_proj"][...]),
+                ("k_proj", sharded.runner.state["layers"]["k_proj"][...]),
+                ("o_proj", sharded.runner.state["layers"]["o_proj"][...]),
+                ("down_proj", sharded.runner.state["layers"]["down_proj"][...]),
+                ("embed", sharded.runner.state["embed"][...]),
+            )
+        },
+    }
+    if extra_checks:
+        # Batch equivalence and no compile after warm-up, sharded.
+        sharded.runner.warmup(progress=False)
+        compiles = sharded.stats()["num_compiles"]
+        work = [([rng.randrange(vocab) for _ in range(n)], m) for n, m in ((90, 5), (1, 12), (33, 9), (60, 3), (7, 7))]
+        alone = [
+            sharded.generate([ids], SamplingParams(**{**GREEDY_KW, "max_tokens": m}))[0].token_ids for ids, m in work
+        ]
+        reqs = [sharded.engine.add_request(ids, SamplingParams(**{**GREEDY_KW, "max_tokens": m})) for ids, m in work]
+        while sharded.engine.has_unfinished():
+            sharded.engine.step()
+            sharded.scheduler.check_integrity()
+        report["batched_equals_alone"] = [r.output_token_ids for r in reqs] == alone
+        report["compiles_after_warmup"] = sharded.stats()["num_compiles"] - compiles
+        stats = sharded.stats()
+        report["pages_free"], report["pages_total"] = stats["pages_free"], stats["pages_total"]
+    return report
+
+
+GREEDY_KW = dict(temperature=0.0, ignore_eos=True)
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    if scenario == "tiny":
+        num_kv_heads, model_axis = int(sys.argv[2]), int(sys.argv[3])
+        report = compare(_tiny_model(num_kv_heads), model_axis, 320, extra_checks=True)
+    elif scenario == "gguf":
+        report = compare(sys.argv[2], int(sys.argv[3]), 49152, extra_checks=False)
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}: tiny | gguf")
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
