@@ -21,6 +21,8 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     import asyncio
 
+    import jax
+
     from jaxserve.llm import LLM
     from jaxserve.server.config import load_run_config
     from jaxserve.server.server import Server
@@ -31,6 +33,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         engine_cfg = dataclasses.replace(engine_cfg, cache_dir=args.cache_dir)
     llm = LLM(config=engine_cfg, progress=not args.quiet)
+    if jax.process_index() != 0:  # multi-host follower: replay process 0's steps
+        print(f"jaxserve: process {jax.process_index()} following process 0", flush=True)
+        llm.runner.follow()
+        print("jaxserve: stopped", flush=True)
+        return 0
     server = Server(llm, server_cfg, engine_cfg.model, progress=not args.quiet)
 
     async def main() -> None:
@@ -43,7 +50,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, server.request_stop)
         await server.wait_and_drain()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        llm.runner.stop_followers()
     print("jaxserve: stopped", flush=True)
     return 0
 

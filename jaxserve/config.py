@@ -10,6 +10,7 @@ import yaml
 from jaxserve.attention import BACKENDS
 from jaxserve.errors import ConfigError
 from jaxserve.parallel import MeshConfig
+from jaxserve.parallel.multihost import DistributedConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -35,6 +36,8 @@ class EngineConfig:
     attention_interpret: bool = False  # Pallas kernels in interpret mode (CPU testing; slow)
     # Tensor parallelism: {data: 1, model: N} shards weights and KV heads over N devices.
     mesh: dict | None = None
+    # Multi-host: 'auto' or {coordinator_address, num_processes, process_id} (multihost.py).
+    distributed: str | dict | None = None
     static_batching: bool = False  # baseline for benchmarks: no request joins a running batch
     enable_prefix_caching: bool = True
     prefix_match: str = "token"  # token (radix, exact divergence point) | page (whole pages only)
@@ -73,6 +76,7 @@ class EngineConfig:
         need("lpm_aging_steps", positive_int(self.lpm_aging_steps), "an integer >= 1")
         try:
             MeshConfig.from_option(self.mesh)
+            DistributedConfig.from_option(self.distributed)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         for key in ("static_batching", "enable_prefix_caching", "attention_interpret"):

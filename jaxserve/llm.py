@@ -24,6 +24,7 @@ from jaxserve.models.checkpoint import open_checkpoint
 from jaxserve.models.fetch import resolve_model
 from jaxserve.models.loading import default_dtype, load_model
 from jaxserve.parallel import MeshConfig, check_divisible, make_mesh
+from jaxserve.parallel.multihost import DistributedConfig, initialize
 from jaxserve.runner.model_runner import ModelRunner, RunnerConfig
 from jaxserve.sampling_params import SamplingParams
 
@@ -75,6 +76,9 @@ class LLM:
             raise ConfigError("give either config= or engine options, not both")
         self.config = config or EngineConfig.from_options(model=model, **engine_options)
         cfg = self.config
+        distributed = DistributedConfig.from_option(cfg.distributed)
+        if distributed is not None:  # before anything else touches JAX
+            initialize(distributed)
         ckpt = open_checkpoint(resolve_model(cfg.model, cfg.cache_dir))
         self.model_config = mcfg = ckpt.config
         self.tokenizer = ckpt.tokenizer()

@@ -5,7 +5,8 @@ as ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharded_che
 SCENARIO [ARGS]`` and reads the JSON report it prints last. Scenarios:
 
 - ``tiny KV_HEADS MODEL_AXIS``: a tiny Llama with 8 query heads;
-- ``gguf PATH MODEL_AXIS``: a real checkpoint (SmolLM2).
+- ``gguf PATH MODEL_AXIS``: a real checkpoint (SmolLM2);
+- ``multihost PATH PORT PROCESS_ID``: two processes with 2 devices each (run both).
 """
 
 from __future__ import annotations
@@ -119,9 +120,39 @@ def compare(path: str, model_axis: int, vocab: int, extra_checks: bool) -> dict:
 GREEDY_KW = dict(temperature=0.0, ignore_eos=True)
 
 
+def multihost(path: str, port: str, process_id: int) -> dict | None:
+    """Two processes x 2 devices, mesh model 4: process 0 serves, process 1 follows."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(320) for _ in range(n)] for n in (45, 3, 70, 17)]
+    dist = {"coordinator_address": f"127.0.0.1:{port}", "num_processes": 2, "process_id": process_id}
+    sharded = _llm(path, {"model": 4}, distributed=dist, enable_prefix_caching=True)
+    if process_id != 0:
+        sharded.runner.follow()
+        return None
+    shared = prompts[2][:43]  # a shared prefix ending mid-page: the prefix cache's page copies are replayed too
+    work = prompts + [shared + [5, 6, 7], shared + [9]]
+    one = _llm(path, None, enable_prefix_caching=True)  # process 0's first device alone
+    report = {
+        "processes": jax.process_count(),
+        "devices": len(jax.devices()),
+        "local_devices": len(jax.local_devices()),
+        "mesh_devices": len(sharded.runner.kv_cache.sharding.device_set),
+        "kv_local_shards": _shard_shapes(sharded.runner.kv_cache),
+        "one": [o.token_ids for o in one.generate(work, GREEDY)],
+        "sharded": [o.token_ids for o in sharded.generate(work, GREEDY)],
+        "cached_tokens": sharded.stats()["prefix_cache_hit_tokens"],
+    }
+    sharded.runner.stop_followers()
+    return report
+
+
 def main() -> None:
     scenario = sys.argv[1]
-    if scenario == "tiny":
+    if scenario == "multihost":
+        report = multihost(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        if report is None:
+            return
+    elif scenario == "tiny":
         num_kv_heads, model_axis = int(sys.argv[2]), int(sys.argv[3])
         report = compare(_tiny_model(num_kv_heads), model_axis, 320, extra_checks=True)
     elif scenario == "gguf":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,32 @@ def test_tiny_two_kv_heads_replicated_over_eight_devices():
 def test_smollm2_over_three_devices(smollm2_path):
     r = _run("gguf", str(smollm2_path), "3")
     _check_sharded(r, model_axis=3, kv_heads=3)
+
+
+def test_two_processes_on_localhost(tmp_path):
+    """Multi-host on one machine: 2 processes x 2 CPU devices, mesh model 4 over both;
+    process 0 schedules and serves, process 1 replays its steps and page copies."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from sharded_check import _tiny_model
+
+    path = _tiny_model(8)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, str(ROOT / "tests" / "sharded_check.py"), "multihost", path, port]
+    follower = subprocess.Popen([*cmd, "1"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        leader = subprocess.run([*cmd, "0"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert leader.returncode == 0, leader.stderr[-3000:]
+        assert follower.wait(timeout=60) == 0
+    finally:
+        follower.kill()
+    r = json.loads(leader.stdout.strip().splitlines()[-1])
+    assert (r["processes"], r["devices"], r["local_devices"], r["mesh_devices"]) == (2, 4, 2, 4)
+    assert r["kv_local_shards"] == [[4, 2, 160, 8, 8]]  # 2 of 8 KV heads (K and V) per device
+    assert r["sharded"] == r["one"]
+    assert r["cached_tokens"] > 0
 
 
 def test_replicated_kv_heads_keep_their_order():

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from jaxserve.attention import REFERENCE, AttentionBackend, AttentionMetadata
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.parallel import kv_cache_sharding, replicated
+from jaxserve.parallel.multihost import COPY_PAGES, STEP, STOP, StepChannel, to_host
 from jaxserve.runner import compile_counter
 from jaxserve.runner.batch import PackedBatch, ScheduledSeq, make_buckets, pack
 from jaxserve.runner.sampler import MAX_BLOCKED, SamplerOutput, SamplingMetadata, sample
@@ -69,6 +70,9 @@ class ModelRunner:
             mcfg.num_layers, cfg.num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim
         )
         mesh = cfg.attention_backend.mesh
+        # A mesh spanning other processes' devices: they must replay every step (multihost.py).
+        spans_processes = mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat)
+        self.channel = StepChannel() if spans_processes else None
         if mesh is None:
             self.kv_cache = jnp.zeros(shape, dtype)
         else:  # allocated in place on every device: each holds its KV heads of every page
@@ -160,18 +164,58 @@ class ModelRunner:
             src = np.zeros(width, np.int32)
             dst = np.zeros(width, np.int32)
             src[: len(part)], dst[: len(part)] = zip(*part, strict=True)
+            if self.channel is not None:
+                self.channel.announce(COPY_PAGES, width)
+                src, dst = self.channel.share((src, dst))
             self.kv_cache = self._copy_pages(self.kv_cache, src, dst)
 
     def execute(self, seqs: list[ScheduledSeq], sampling: list[SeqSampling]) -> SamplerOutput:
         """Runs one step; returns the sampler's output (numpy) for the real sequences."""
         b = self.pack(seqs)
+        md = self._attention_md(b)
         smd = self._sampling_md(sampling, len(b.kv_lens), b.kv_lens.copy())
-        self.kv_cache, out = self._step(self.state, self.kv_cache, self._attention_md(b), smd)
+        if self.channel is not None:  # every process runs the same step (multihost.py)
+            self.channel.announce(STEP, len(b.input_ids), len(b.kv_lens))
+            md, smd = self.channel.share((md, smd))
+        self.kv_cache, out = self._step(self.state, self.kv_cache, md, smd)
         n = b.num_seqs
-        return jax.tree.map(lambda a: np.asarray(a)[:n], out)
+        return jax.tree.map(lambda a: to_host(a)[:n], out)
+
+    def _bucket_seqs(self, t: int, s: int) -> list[ScheduledSeq]:
+        """s sequences sharing t tokens, every page the scratch page: hits bucket (t, s)."""
+        sizes = [t // s + (i < t % s) for i in range(s)]
+        return [ScheduledSeq([0] * n, 0, [0] * self.cfg.pages_per_seq) for n in sizes]
+
+    def _bucket_inputs(self, t: int, s: int) -> tuple[AttentionMetadata, SamplingMetadata]:
+        b = self.pack(self._bucket_seqs(t, s))
+        return self._attention_md(b), self._sampling_md(greedy(s), len(b.kv_lens), b.kv_lens.copy())
+
+    def follow(self) -> None:
+        """Followers (process > 0): replay the leader's steps and page copies until it stops."""
+        if self.channel is None or jax.process_index() == 0:
+            raise RuntimeError("follow() is for processes other than 0 of a multi-process run")
+        while True:
+            op, a, b = self.channel.next_op()
+            if op == STOP:
+                return
+            if op == STEP:
+                md, smd = self.channel.share(self._bucket_inputs(a, b))
+                self.kv_cache, _ = self._step(self.state, self.kv_cache, md, smd)
+            elif op == COPY_PAGES:
+                src, dst = self.channel.share((np.zeros(a, np.int32), np.zeros(a, np.int32)))
+                self.kv_cache = self._copy_pages(self.kv_cache, src, dst)
+            else:
+                raise RuntimeError(f"unknown operation {op} from process 0")
+
+    def stop_followers(self) -> None:
+        """Leader: ends the followers' loops (no-op on a single process)."""
+        if self.channel is not None and jax.process_index() == 0:
+            self.channel.announce(STOP)
 
     def logits(self, seqs: list[ScheduledSeq]) -> np.ndarray:
-        """Logits of every token row (for tests against a reference model)."""
+        """Logits of every token row (for tests against a reference model; one process only)."""
+        if self.channel is not None:
+            raise RuntimeError("logits() is not replayed on other processes; use it on a single process")
         b = self.pack(seqs)
         b.logits_indices = np.arange(len(b.input_ids), dtype=np.int32)
         self.kv_cache, logits = self._forward(self.state, self.kv_cache, self._attention_md(b))
@@ -181,10 +225,7 @@ class ModelRunner:
         """Compiles the step for every (token bucket, sequence bucket) pair."""
         pairs = [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
         for t, s in tqdm(pairs, desc="compiling step buckets", disable=not progress, leave=False):
-            # s sequences sharing t tokens, every page the scratch page: hits bucket (t, s).
-            sizes = [t // s + (i < t % s) for i in range(s)]
-            seqs = [ScheduledSeq([0] * n, 0, [0] * self.cfg.pages_per_seq) for n in sizes]
-            self.execute(seqs, greedy(s))
+            self.execute(self._bucket_seqs(t, s), greedy(s))
         self.copy_pages([(0, 0)])
 
     @property
