@@ -21,6 +21,11 @@ class EngineConfig:
 
     model: str = "smollm2-135m-instruct"
     dtype: str | None = None  # float32 on CPU, bfloat16 on accelerators
+    # Storage + matmul dtype of the embedding and linear layers (default: dtype); norms,
+    # residuals and attention keep dtype. Experimental on CPU: a lone bfloat16 matmul is
+    # 2x float32 on AMX machines, but under the stacked-layer scan XLA:CPU currently
+    # runs the whole model slower (see the README's Performance section).
+    weight_dtype: str | None = None
     page_size: int = 16
     num_pages: int | None = None  # derived from kv_cache_memory_gb when unset
     kv_cache_memory_gb: float = 2.0
@@ -54,6 +59,7 @@ class EngineConfig:
             return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
         need("dtype", self.dtype is None or self.dtype in DTYPES, f"one of {', '.join(DTYPES)}")
+        need("weight_dtype", self.weight_dtype is None or self.weight_dtype in DTYPES, f"one of {', '.join(DTYPES)}")
         need("page_size", self.page_size in (8, 16, 32, 64, 128), "one of 8, 16, 32, 64, 128")
         need(
             "num_pages",

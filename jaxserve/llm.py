@@ -108,7 +108,7 @@ class LLM:
         self.pool = PagePool(num_pages, cfg.page_size)
         if self.pool.num_usable < self.pool.pages_needed(self.max_model_len):
             self.max_model_len = self.pool.num_usable * cfg.page_size
-        model = load_model(ckpt, dtype, progress=progress, mesh=self.mesh)
+        model = load_model(ckpt, dtype, progress=progress, mesh=self.mesh, weight_dtype=cfg.weight_dtype)
         self.runner = ModelRunner(
             model,
             RunnerConfig(

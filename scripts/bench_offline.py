@@ -24,15 +24,20 @@ def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: in
 def bench_jaxserve(model: str, work, static: bool, args) -> float:
     from jaxserve import LLM, SamplingParams
 
+    options = {"min_token_bucket": args.min_token_bucket} if args.min_token_bucket else {}
+    if args.weight_dtype:
+        options["weight_dtype"] = args.weight_dtype
     llm = LLM(
         model,
         progress=False,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         static_batching=static,
+        **options,
     )
     llm.runner.warmup(progress=False)
     compiles = llm.stats()["num_compiles"]
+    llm.runner.timings = dict.fromkeys(llm.runner.timings, 0.0)  # count the workload only
     reqs = []
     t0 = time.perf_counter()
     for ids, m in work:
@@ -42,8 +47,14 @@ def bench_jaxserve(model: str, work, static: bool, args) -> float:
     elapsed = time.perf_counter() - t0
     assert [len(r.output_token_ids) for r in reqs] == [m for _, m in work]
     stats = llm.stats()
+    eng, run = llm.engine.timings, llm.runner.timings
+    host = eng["step_s"] - run["device_s"]
     print(
-        f"  {'static' if static else 'continuous'}: {stats['steps']} steps, compiles after warm-up {stats['num_compiles'] - compiles}"
+        f"  {'static' if static else 'continuous'}: {stats['steps']} steps, compiles after warm-up "
+        f"{stats['num_compiles'] - compiles}; per step: {1e3 * eng['step_s'] / stats['steps']:.1f} ms, "
+        f"device {1e3 * run['device_s'] / stats['steps']:.1f} ms, host {1e3 * host / stats['steps']:.2f} ms "
+        f"({100 * host / eng['step_s']:.1f}%: schedule {1e3 * eng['schedule_s'] / stats['steps']:.2f}, "
+        f"pack {1e3 * run['pack_s'] / stats['steps']:.2f}, update {1e3 * eng['update_s'] / stats['steps']:.2f} ms)"
     )
     return elapsed
 
@@ -80,8 +91,11 @@ def main() -> None:
     ap.add_argument("--output", default="16:128")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
-    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--min-token-bucket", type=int, default=None)
+    ap.add_argument("--weight-dtype", default=None, help="e.g. bfloat16: float32 activations, bfloat16 matmuls")
+    ap.add_argument("--hf-batch", default="16", help="comma-separated batch sizes; each is timed")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-static", action="store_true")
     args = ap.parse_args()
     span = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
     path = fetch("smollm2-135m-instruct", quiet=True)
@@ -89,12 +103,12 @@ def main() -> None:
     prompt_tokens = sum(len(ids) for ids, _ in work)
     output_tokens = sum(m for _, m in work)
     print(f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens, SmolLM2 float32")
-    results = {
-        "jaxserve (continuous batching)": bench_jaxserve(str(path), work, False, args),
-        "jaxserve (static batching)": bench_jaxserve(str(path), work, True, args),
-    }
+    results = {"jaxserve (continuous batching)": bench_jaxserve(str(path), work, False, args)}
+    if not args.skip_static:
+        results["jaxserve (static batching)"] = bench_jaxserve(str(path), work, True, args)
     if not args.skip_hf:
-        results[f"transformers generate (batch {args.hf_batch}, padded)"] = bench_hf(path, work, args.hf_batch)
+        for batch in (int(b) for b in args.hf_batch.split(",")):
+            results[f"transformers generate (batch {batch}, padded)"] = bench_hf(path, work, batch)
     base = results["jaxserve (continuous batching)"]
     print(f"{'system':45s} {'seconds':>8s} {'output tok/s':>13s} {'total tok/s':>12s} {'jaxserve is':>12s}")
     for name, sec in results.items():

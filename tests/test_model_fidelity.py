@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -68,3 +69,17 @@ def test_greedy_continuation_matches_transformers(tiny_model_dir, arch):
         assert out.finish_reason == "length"
     assert llm.stats()["pages_held_by_requests"] == 0
     llm.scheduler.check_integrity()
+
+
+def test_bfloat16_weights_with_float32_activations(tiny_model_dir):
+    """weight_dtype: matmul weights narrow, norms / activations / KV cache stay float32."""
+    path, hf = tiny_model_dir("llama")
+    llm = _llm(path, weight_dtype="bfloat16")
+    layers = llm.runner.state["layers"]
+    assert layers["q_proj"][...].dtype == jnp.bfloat16 and llm.runner.state["embed"][...].dtype == jnp.bfloat16
+    assert layers["input_norm"][...].dtype == jnp.float32 and llm.runner.kv_cache.dtype == jnp.float32
+    ids = rng_tokens(40, hf.config.vocab_size, seed=5)
+    pages = llm.pool.allocate(llm.pool.pages_needed(len(ids)))
+    ours = llm.runner.logits([ScheduledSeq(ids, 0, pages)])
+    assert ours.dtype == np.float32
+    assert np.abs(ours - _hf_logits(hf, ids)).max() < 5e-2  # bfloat16 weight rounding (logits are O(1))

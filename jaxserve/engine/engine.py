@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import time
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import Request, RequestStatus
@@ -64,6 +65,9 @@ class Engine:
         self._text: dict[str, _TextState] = {}
         self._ids = itertools.count()
         self.counters = {"steps": 0, "prefill_tokens_computed": 0, "decode_tokens": 0}
+        # Cumulative seconds per phase of step(): scheduling (+ building the step's inputs
+        # lists), the runner (see runner.timings: packing vs device), update + text.
+        self.timings = {"schedule_s": 0.0, "update_s": 0.0, "step_s": 0.0}
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -118,6 +122,7 @@ class Engine:
 
     def step(self) -> tuple[list[Request], list[Request]]:
         """Runs one step; returns (requests that got a token, requests that finished)."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return [], []
@@ -129,7 +134,9 @@ class Engine:
             sampling.append(self._sampling(request))
         if out.page_copies:
             self.runner.copy_pages(out.page_copies)
+        t1 = time.perf_counter()
         result = self.runner.execute(seqs, sampling)
+        t2 = time.perf_counter()
         before = {id(r): len(r.output_token_ids) for r, _ in out.scheduled}
         self.scheduler.update(out, result.tokens.tolist(), result.logprobs.tolist())
         advanced, finished = [], []
@@ -147,6 +154,9 @@ class Engine:
                 finished.append(request)
                 self.requests.pop(request.request_id, None)
                 self._text.pop(request.request_id, None)
+        self.timings["schedule_s"] += t1 - t0
+        self.timings["update_s"] += time.perf_counter() - t2
+        self.timings["step_s"] += time.perf_counter() - t0
         self.counters["steps"] += 1
         self.counters["decode_tokens"] += out.num_decode_tokens
         self.counters["prefill_tokens_computed"] += out.num_prefill_tokens

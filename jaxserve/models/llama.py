@@ -30,6 +30,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w`` in the weights' dtype, accumulated in float32, back in ``x``'s dtype.
+
+    With float32 activations and bfloat16 weights (``weight_dtype: bfloat16``) the
+    matmul runs on the CPU's bfloat16 units (AMX / AVX512-BF16 through XLA:CPU) while
+    norms, residuals, rope and attention stay in float32.
+    """
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate-half ("NeoX") rotary embedding; x [T, H, D], cos/sin [T, D]."""
     half = x.shape[-1] // 2
@@ -77,7 +87,7 @@ class DecoderLayer(nnx.Module):
         eps = cfg.rms_norm_eps
         with jax.named_scope("attention"):
             h = rms_norm(x, self.input_norm[...], eps)
-            q, k, v = h @ self.q_proj[...], h @ self.k_proj[...], h @ self.v_proj[...]
+            q, k, v = linear(h, self.q_proj[...]), linear(h, self.k_proj[...]), linear(h, self.v_proj[...])
             if cfg.attention_bias:
                 q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
             q = q.reshape(t, cfg.num_heads, cfg.head_dim)
@@ -89,10 +99,12 @@ class DecoderLayer(nnx.Module):
             o, kv_cache = backend.write_and_attend(
                 q, k, v, kv_cache, layer, md, sliding_window, sm_scale=cfg.head_dim**-0.5
             )
-            x = x + o.reshape(t, -1) @ self.o_proj[...]
+            x = x + linear(o.reshape(t, -1), self.o_proj[...])
         with jax.named_scope("mlp"):
             h = rms_norm(x, self.post_attention_norm[...], eps)
-            x = x + (jax.nn.silu(h @ self.gate_proj[...]) * (h @ self.up_proj[...])) @ self.down_proj[...]
+            x = x + linear(
+                jax.nn.silu(linear(h, self.gate_proj[...])) * linear(h, self.up_proj[...]), self.down_proj[...]
+            )
         return x, kv_cache
 
 
@@ -118,7 +130,7 @@ class LlamaForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, jax.Array]:
         """Runs one step. Returns (logits [S, V] float32 at ``md.logits_indices``, kv_cache)."""
         cfg = self.cfg
-        x = self.embed[...][md.input_ids]
+        x = self.embed[...][md.input_ids].astype(self.norm[...].dtype)  # activations: the norms' dtype
         inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)  # numpy, a trace-time constant
         freqs = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
         emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -139,5 +151,5 @@ class LlamaForCausalLM(nnx.Module):
         x = x[md.logits_indices]
         x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
         head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
-        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        logits = jnp.dot(x.astype(head.dtype), head, preferred_element_type=jnp.float32)
         return logits, kv_cache

@@ -45,6 +45,7 @@ _GLOBAL_PARAMS = {
     "lm_head": ("lm_head.weight", True),
 }
 
+_MATMUL_PARAMS = ("embed", "lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KV_PARAMS = ("k_proj", "v_proj", "k_bias", "v_bias")  # last axis is [Hkv * head_dim]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -67,7 +68,11 @@ def _convert(w: np.ndarray, transpose: bool, shape: tuple[int, ...], dtype, name
 
 
 def load_model(
-    ckpt: Checkpoint, dtype: str = "float32", progress: bool = True, mesh: Mesh | None = None
+    ckpt: Checkpoint,
+    dtype: str = "float32",
+    progress: bool = True,
+    mesh: Mesh | None = None,
+    weight_dtype: str | None = None,
 ) -> LlamaForCausalLM:
     """Builds the model described by ``ckpt`` and loads its weights in ``dtype``.
 
@@ -75,13 +80,19 @@ def load_model(
     each device receives only its slice. KV heads fewer than the ``model`` axis are
     replicated first, and the returned model's config counts the replicated heads.
 
+    ``weight_dtype`` (default: ``dtype``) stores the embedding and the linear layers'
+    kernels; norms and biases keep ``dtype``, the activation dtype.
+
     Raises:
         ModelLoadError: a bad checkpoint, dtype, or a model the mesh does not divide.
     """
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"dtype {dtype!r} is not one of: {', '.join(DTYPES)}")
+    weight_dtype = weight_dtype or dtype
+    for key, value in (("dtype", dtype), ("weight_dtype", weight_dtype)):
+        if value not in DTYPES:
+            raise ModelLoadError(f"{key} {value!r} is not one of: {', '.join(DTYPES)}")
     jdtype = DTYPES[dtype]
-    np_dtype = np.dtype(jdtype)
+    act_np = np.dtype(jdtype)
+    weight_np = np.dtype(DTYPES[weight_dtype])
     cfg = ckpt.config
     model_axis = mesh.shape[MODEL] if mesh is not None else 1
     try:
@@ -112,6 +123,7 @@ def load_model(
         if ours == "lm_head" and hf_name not in names:
             raise ModelLoadError(f"{ckpt.path} has no {hf_name} but the config does not tie embeddings")
         shape = tuple(shapes[ours].shape)
+        np_dtype = weight_np if ours in _MATMUL_PARAMS else act_np
         params[ours] = put(ours, _convert(ckpt.read(hf_name), transpose, shape, np_dtype, hf_name))
         bar.update()
     for ours, (suffix, transpose) in _LAYER_PARAMS.items():
@@ -120,6 +132,7 @@ def load_model(
         shape = tuple(shapes["layers"][ours].shape)
         per_head_kv = ours in _KV_PARAMS and kv_factor > 1
         file_shape = (*shape[1:-1], shape[-1] // kv_factor) if per_head_kv else shape[1:]
+        np_dtype = weight_np if ours in _MATMUL_PARAMS else act_np
         stacked = np.empty(shape, np_dtype)
         for i in range(cfg.num_layers):
             hf_name = f"model.layers.{i}.{suffix}"

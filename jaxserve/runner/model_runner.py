@@ -8,6 +8,7 @@ so XLA updates it in place.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,7 @@ class ModelRunner:
         self.cfg = cfg
         mcfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
-        dtype = model.embed[...].dtype
+        dtype = model.norm[...].dtype  # the activation dtype (weights may be narrower)
         shape = cfg.attention_backend.kv_cache_shape(
             mcfg.num_layers, cfg.num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim
         )
@@ -73,6 +74,7 @@ class ModelRunner:
         # A mesh spanning other processes' devices: they must replay every step (multihost.py).
         spans_processes = mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat)
         self.channel = StepChannel() if spans_processes else None
+        self.timings = {"pack_s": 0.0, "device_s": 0.0}  # cumulative, for profiles
         if mesh is None:
             self.kv_cache = jnp.zeros(shape, dtype)
         else:  # allocated in place on every device: each holds its KV heads of every page
@@ -171,15 +173,21 @@ class ModelRunner:
 
     def execute(self, seqs: list[ScheduledSeq], sampling: list[SeqSampling]) -> SamplerOutput:
         """Runs one step; returns the sampler's output (numpy) for the real sequences."""
+        t0 = time.perf_counter()
         b = self.pack(seqs)
         md = self._attention_md(b)
         smd = self._sampling_md(sampling, len(b.kv_lens), b.kv_lens.copy())
         if self.channel is not None:  # every process runs the same step (multihost.py)
             self.channel.announce(STEP, len(b.input_ids), len(b.kv_lens))
             md, smd = self.channel.share((md, smd))
+        t1 = time.perf_counter()
         self.kv_cache, out = self._step(self.state, self.kv_cache, md, smd)
         n = b.num_seqs
-        return jax.tree.map(lambda a: to_host(a)[:n], out)
+        result = jax.tree.map(lambda a: to_host(a)[:n], out)
+        t2 = time.perf_counter()
+        self.timings["pack_s"] += t1 - t0
+        self.timings["device_s"] += t2 - t1  # dispatch + compute + transfer back
+        return result
 
     def _bucket_seqs(self, t: int, s: int) -> list[ScheduledSeq]:
         """s sequences sharing t tokens, every page the scratch page: hits bucket (t, s)."""
