@@ -74,27 +74,85 @@ def ref_write_kv(
     )
 
 
+# Prefill-chunk blocks attended together (one batched matmul per KV block). The chunk
+# plan has room for T / block_q + S blocks and most are unused, so it goes in groups;
+# decode blocks go in one group, since the sequence bucket already keeps them >= half used.
+CHUNK_BLOCKS_PER_GROUP = 8
+
+
 def _attend(
-    plan: BlockPlan, tokens_per_block, kv_cache, layer, kv_lens, page_table, sliding_window, sm_scale, block_pages
+    plan: BlockPlan,
+    tokens_per_block,
+    kv_cache,
+    layer,
+    kv_lens,
+    page_table,
+    sliding_window,
+    sm_scale,
+    block_pages,
+    blocks_per_group: int,
 ):
-    """Online-softmax attention of every block's tile over its sequence's pages, all
-    blocks at once. Returns outputs [G, Hkv, tile_rows, D] float32."""
+    """Online-softmax attention of every block's tile over its sequence's pages.
+
+    Blocks go in groups of ``blocks_per_group``, for only as many groups as hold used
+    blocks (the plan puts unused blocks last), and each group walks only as many KV
+    blocks as its longest sequence needs: work follows the batch's real tokens, not its
+    bucket. Returns outputs [G, Hkv, tile_rows, D] float32.
+    """
+    num_blocks = plan.tiles.shape[0]
+    padded = -(-num_blocks // blocks_per_group) * blocks_per_group
+
+    def pad(x):
+        return jnp.pad(x, [(0, padded - num_blocks)] + [(0, 0)] * (x.ndim - 1))
+
+    seq, first_pos, num_tokens, tiles = pad(plan.seq), pad(plan.first_pos), pad(plan.num_tokens), pad(plan.tiles)
+    num_groups = (jnp.sum(num_tokens > 0) + blocks_per_group - 1) // blocks_per_group
+
+    def group_body(i, out):
+        part = [
+            jax.lax.dynamic_slice_in_dim(x, i * blocks_per_group, blocks_per_group)
+            for x in (seq, first_pos, num_tokens, tiles)
+        ]
+        res = _attend_group(
+            *part, tokens_per_block, kv_cache, layer, kv_lens, page_table, sliding_window, sm_scale, block_pages
+        )
+        return jax.lax.dynamic_update_slice_in_dim(out, res, i * blocks_per_group, axis=0)
+
+    out = jax.lax.fori_loop(0, num_groups, group_body, jnp.zeros(tiles.shape, jnp.float32))
+    return out[:num_blocks]
+
+
+def _attend_group(
+    seq,
+    first_pos,
+    num_tokens,
+    tiles,
+    tokens_per_block,
+    kv_cache,
+    layer,
+    kv_lens,
+    page_table,
+    sliding_window,
+    sm_scale,
+    block_pages,
+):
+    """One group of query blocks against their sequences' KV blocks, all at once."""
     num_kv_heads, page_size = kv_cache.shape[0] // 2, kv_cache.shape[3]
-    num_blocks, _, tile_rows, head_dim = plan.tiles.shape
+    num_blocks, _, tile_rows, head_dim = tiles.shape
     group = tile_rows // tokens_per_block
     block_kv = block_pages * page_size
     # Score-matmul rows: (query token, query head sharing this KV head).
-    qb = (plan.tiles.astype(jnp.float32) * sm_scale).transpose(1, 0, 2, 3)  # [Hkv, G, R, D]
+    qb = (tiles.astype(jnp.float32) * sm_scale).transpose(1, 0, 2, 3)  # [Hkv, G, R, D]
     row_tok = jnp.arange(tile_rows) // group
-    row_pos = (plan.first_pos[:, None] + row_tok[None, :])[None, :, :, None]  # [1, G, R, 1]
+    row_pos = (first_pos[:, None] + row_tok[None, :])[None, :, :, None]  # [1, G, R, 1]
     row_low = jnp.where(sliding_window > 0, row_pos - sliding_window + 1, 0)
-    row_real = (row_tok[None, :] < plan.num_tokens[:, None])[None, :, :, None]
-    seq_kv_lens = jnp.where(plan.num_tokens > 0, kv_lens[plan.seq], 0)
+    row_real = (row_tok[None, :] < num_tokens[:, None])[None, :, :, None]
+    seq_kv_lens = jnp.where(num_tokens > 0, kv_lens[seq], 0)
     num_kv_blocks = (jnp.max(seq_kv_lens) + block_kv - 1) // block_kv
 
     def body(j, carry):
         m, denom, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(page_table, j * block_pages, block_pages, axis=1)[plan.seq]
+        pages = jax.lax.dynamic_slice_in_dim(page_table, j * block_pages, block_pages, axis=1)[seq]
         # Head-major pages: one gather gives [2*Hkv, G, Kb, D] with no transpose.
         kv = kv_cache[:, layer, pages].reshape(2 * num_kv_heads, num_blocks, block_kv, head_dim).astype(jnp.float32)
         kv_pos = j * block_kv + jnp.arange(block_kv)
@@ -161,8 +219,18 @@ def ref_ragged_paged_attention(
             block_q=block_sizes.block_q,
             row_multiple=1,
         )
+        per_group = plan.tiles.shape[0] if decode else CHUNK_BLOCKS_PER_GROUP
         res = _attend(
-            plan, tokens_per_block, kv_cache, layer, kv_lens, page_table, sliding_window, sm_scale, block_pages
+            plan,
+            tokens_per_block,
+            kv_cache,
+            layer,
+            kv_lens,
+            page_table,
+            sliding_window,
+            sm_scale,
+            block_pages,
+            per_group,
         )
         out = out.at[plan.rows.reshape(-1)].set(untile(res, tokens_per_block, num_heads // num_kv_heads))
     return out[:num_tokens, :, :head_dim].astype(q.dtype)
