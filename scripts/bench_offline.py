@@ -21,12 +21,12 @@ def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: in
     return [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*output)) for _ in range(n)]
 
 
-def bench_jaxserve(model: str, work, static: bool, args) -> float:
+def bench_jaxserve(model: str, work, static: bool, args, weight_dtype: str | None = None) -> float:
     from jaxserve import LLM, SamplingParams
 
     options = {"min_token_bucket": args.min_token_bucket} if args.min_token_bucket else {}
-    if args.weight_dtype:
-        options["weight_dtype"] = args.weight_dtype
+    if weight_dtype:
+        options["weight_dtype"] = weight_dtype
     llm = LLM(
         model,
         progress=False,
@@ -92,7 +92,11 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--min-token-bucket", type=int, default=None)
-    ap.add_argument("--weight-dtype", default=None, help="e.g. bfloat16: float32 activations, bfloat16 matmuls")
+    ap.add_argument(
+        "--weight-dtype",
+        default="float32",
+        help="comma-separated; each is a jaxserve row (bfloat16: float32 activations, bfloat16 matmul weights)",
+    )
     ap.add_argument("--hf-batch", default="16", help="comma-separated batch sizes; each is timed")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-static", action="store_true")
@@ -103,17 +107,20 @@ def main() -> None:
     prompt_tokens = sum(len(ids) for ids, _ in work)
     output_tokens = sum(m for _, m in work)
     print(f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens, SmolLM2 float32")
-    results = {"jaxserve (continuous batching)": bench_jaxserve(str(path), work, False, args)}
+    results = {}
+    for wd in args.weight_dtype.split(","):
+        name = "jaxserve (continuous batching)" + ("" if wd == "float32" else f", {wd} weights")
+        results[name] = bench_jaxserve(str(path), work, False, args, wd)
     if not args.skip_static:
         results["jaxserve (static batching)"] = bench_jaxserve(str(path), work, True, args)
     if not args.skip_hf:
         for batch in (int(b) for b in args.hf_batch.split(",")):
             results[f"transformers generate (batch {batch}, padded)"] = bench_hf(path, work, batch)
-    base = results["jaxserve (continuous batching)"]
-    print(f"{'system':45s} {'seconds':>8s} {'output tok/s':>13s} {'total tok/s':>12s} {'jaxserve is':>12s}")
+    base = next(iter(results.values()))
+    print(f"{'system':50s} {'seconds':>8s} {'output tok/s':>13s} {'total tok/s':>12s} {'jaxserve is':>12s}")
     for name, sec in results.items():
         print(
-            f"{name:45s} {sec:8.1f} {output_tokens / sec:13.1f} {(prompt_tokens + output_tokens) / sec:12.1f} {sec / base:11.2f}x"
+            f"{name:50s} {sec:8.1f} {output_tokens / sec:13.1f} {(prompt_tokens + output_tokens) / sec:12.1f} {sec / base:11.2f}x"
         )
     print("command: python " + " ".join(sys.argv))
 
