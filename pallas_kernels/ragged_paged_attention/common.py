@@ -212,6 +212,37 @@ def untile(out: jax.Array, tokens_per_block: int, group: int) -> jax.Array:
     return out.reshape(num_blocks * tokens_per_block, num_kv_heads * group, head_dim)
 
 
+def attend_by_plan(q, kv_cache, kv_lens, page_table, query_start_loc, *, block_q, block_pages, row_multiple, attend):
+    """What every implementation does around its attention core.
+
+    Checks the inputs, pads the page table to whole KV blocks and ``q`` to the cache's
+    head_dim, builds the decode plan and the prefill-chunk plan, calls
+    ``attend(plan, tokens_per_block, page_table, kv_lens, decode) -> [G, Hkv, >= tile_rows, D]``
+    for each, and scatters the tiles back to token rows. Returns [T, Hq, head_dim].
+    """
+    check_attention_inputs(q, kv_cache, kv_lens, page_table, query_start_loc)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[0] // 2
+    page_table = pad_page_table(page_table, block_pages).astype(jnp.int32)
+    kv_lens, query_start_loc = kv_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32)
+    q_padded = pad_head_dim(q, kv_cache.shape[4])
+    out = jnp.zeros((num_tokens + 1, num_heads, q_padded.shape[2]), jnp.float32)
+    for decode in (True, False):
+        plan, tokens_per_block = plan_blocks(
+            q_padded,
+            kv_lens,
+            query_start_loc,
+            num_kv_heads=num_kv_heads,
+            decode=decode,
+            block_q=block_q,
+            row_multiple=row_multiple,
+        )
+        tiles = attend(plan, tokens_per_block, page_table, kv_lens, decode)
+        rows = untile(tiles, tokens_per_block, num_heads // num_kv_heads)
+        out = out.at[plan.rows.reshape(-1)].set(rows.astype(jnp.float32))
+    return out[:num_tokens, :, :head_dim].astype(q.dtype)
+
+
 def kv_block_range(first_pos, num_tokens, kv_len, window, block_kv: int):
     """The KV blocks a query block can see, as [lo, hi): from the block holding the
     sliding window's first position for the block's first token, through the block

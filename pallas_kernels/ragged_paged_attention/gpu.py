@@ -26,14 +26,11 @@ from pallas_kernels.ragged_paged_attention.common import (
     DEFAULT_BLOCK_SIZES,
     MASKED,
     BlockSizes,
-    check_attention_inputs,
+    attend_by_plan,
     check_write_inputs,
     kv_block_range,
     kv_cache_shape,
     pad_head_dim,
-    pad_page_table,
-    plan_blocks,
-    untile,
 )
 
 MIN_DOT = 16
@@ -125,35 +122,22 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [T, Hq, head_dim]
     """Same contract as ``ref_ragged_paged_attention``; two kernel calls (decode blocks,
     prefill-chunk blocks) over the same cache."""
-    check_attention_inputs(q, kv_cache, kv_lens, page_table, query_start_loc)
-    num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = kv_cache.shape[0] // 2, kv_cache.shape[3]
-    group = num_heads // num_kv_heads
     block_pages = min(block_sizes.block_pages, _next_pow2(page_table.shape[1]))
     if block_pages & (block_pages - 1) or page_size & (page_size - 1):
         raise ValueError(f"block_pages ({block_pages}) and page_size ({page_size}) must be powers of two")
-    page_table = pad_page_table(page_table, block_pages).astype(jnp.int32)
     params = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(sliding_window, jnp.int32)])
-    kv_lens = kv_lens.astype(jnp.int32)
-    q_padded = pad_head_dim(q, kv_cache.shape[4])
-    out = jnp.zeros((num_tokens + 1, num_heads, q_padded.shape[2]), q.dtype)
-    for decode in (True, False):
-        plan, tokens_per_block = plan_blocks(
-            q_padded,
-            kv_lens,
-            query_start_loc.astype(jnp.int32),
-            num_kv_heads=num_kv_heads,
-            decode=decode,
-            block_q=block_sizes.block_q,
-            row_multiple=1,
-        )
+
+    def attend(plan, tokens_per_block, page_table, kv_lens, decode):
         rows = max(_next_pow2(plan.tiles.shape[2]), MIN_DOT)
         tiles = jnp.pad(plan.tiles, ((0, 0), (0, 0), (0, rows - plan.tiles.shape[2]), (0, 0)))
         num_blocks, _, _, d = tiles.shape
         tile_spec = pl.BlockSpec((None, None, rows, d), lambda b, h: (b, h, 0, 0))
         whole = pl.no_block_spec
-        kernel = functools.partial(_attention_kernel, group=group, block_pages=block_pages, sm_scale=sm_scale)
-        res = pl.pallas_call(
+        kernel = functools.partial(
+            _attention_kernel, group=q.shape[1] // num_kv_heads, block_pages=block_pages, sm_scale=sm_scale
+        )
+        return pl.pallas_call(
             kernel,
             grid=(num_blocks, num_kv_heads),
             in_specs=[whole] * 6 + [tile_spec, whole],
@@ -163,8 +147,18 @@ def ragged_paged_attention(
             interpret=interpret,
             name="ragged_paged_attention_decode" if decode else "ragged_paged_attention_chunk",
         )(plan.seq, plan.first_pos, plan.num_tokens, kv_lens, page_table, params, tiles, kv_cache)
-        out = out.at[plan.rows.reshape(-1)].set(untile(res, tokens_per_block, group))
-    return out[:num_tokens, :, :head_dim]
+
+    return attend_by_plan(
+        q,
+        kv_cache,
+        kv_lens,
+        page_table,
+        query_start_loc,
+        block_q=block_sizes.block_q,
+        block_pages=block_pages,
+        row_multiple=1,
+        attend=attend,
+    )
 
 
 def _write_kernel(slots_ref, params_ref, new_ref, cache_in, cache_ref):

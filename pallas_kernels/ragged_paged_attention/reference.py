@@ -37,13 +37,10 @@ from pallas_kernels.ragged_paged_attention.common import (
     MASKED,
     BlockPlan,
     BlockSizes,
-    check_attention_inputs,
+    attend_by_plan,
     check_write_inputs,
     kv_cache_shape,
     pad_head_dim,
-    pad_page_table,
-    plan_blocks,
-    untile,
 )
 
 
@@ -74,10 +71,9 @@ def ref_write_kv(
     )
 
 
-# Prefill-chunk blocks attended together (one batched matmul per KV block). The chunk
-# plan has room for T / block_q + S blocks and most are unused, so it goes in groups;
-# decode blocks go in one group, since the sequence bucket already keeps them >= half used.
-CHUNK_BLOCKS_PER_GROUP = 8
+# Query blocks attended together (one batched matmul per KV block). A plan has room for
+# its bucket's worst case (the chunk plan: T / block_q + S blocks), mostly unused.
+BLOCKS_PER_GROUP = 8
 
 
 def _attend(
@@ -90,33 +86,32 @@ def _attend(
     sliding_window,
     sm_scale,
     block_pages,
-    blocks_per_group: int,
 ):
     """Online-softmax attention of every block's tile over its sequence's pages.
 
-    Blocks go in groups of ``blocks_per_group``, for only as many groups as hold used
+    Blocks go in groups of ``BLOCKS_PER_GROUP``, for only as many groups as hold used
     blocks (the plan puts unused blocks last), and each group walks only as many KV
     blocks as its longest sequence needs: work follows the batch's real tokens, not its
     bucket. Returns outputs [G, Hkv, tile_rows, D] float32.
     """
     num_blocks = plan.tiles.shape[0]
-    padded = -(-num_blocks // blocks_per_group) * blocks_per_group
+    padded = -(-num_blocks // BLOCKS_PER_GROUP) * BLOCKS_PER_GROUP
 
     def pad(x):
         return jnp.pad(x, [(0, padded - num_blocks)] + [(0, 0)] * (x.ndim - 1))
 
     seq, first_pos, num_tokens, tiles = pad(plan.seq), pad(plan.first_pos), pad(plan.num_tokens), pad(plan.tiles)
-    num_groups = (jnp.sum(num_tokens > 0) + blocks_per_group - 1) // blocks_per_group
+    num_groups = (jnp.sum(num_tokens > 0) + BLOCKS_PER_GROUP - 1) // BLOCKS_PER_GROUP
 
     def group_body(i, out):
         part = [
-            jax.lax.dynamic_slice_in_dim(x, i * blocks_per_group, blocks_per_group)
+            jax.lax.dynamic_slice_in_dim(x, i * BLOCKS_PER_GROUP, BLOCKS_PER_GROUP)
             for x in (seq, first_pos, num_tokens, tiles)
         ]
         res = _attend_group(
             *part, tokens_per_block, kv_cache, layer, kv_lens, page_table, sliding_window, sm_scale, block_pages
         )
-        return jax.lax.dynamic_update_slice_in_dim(out, res, i * blocks_per_group, axis=0)
+        return jax.lax.dynamic_update_slice_in_dim(out, res, i * BLOCKS_PER_GROUP, axis=0)
 
     out = jax.lax.fori_loop(0, num_groups, group_body, jnp.zeros(tiles.shape, jnp.float32))
     return out[:num_blocks]
@@ -202,35 +197,21 @@ def ref_ragged_paged_attention(
     Both kinds give a token bit-identical results: XLA:CPU's score matmul rounds a row
     the same way for any row count >= 2, and a decode block has ``max(group, 2)`` rows.
     """
-    check_attention_inputs(q, kv_cache, kv_lens, page_table, query_start_loc)
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[0] // 2
     block_pages = min(block_sizes.block_pages, page_table.shape[1])
-    page_table = pad_page_table(page_table, block_pages)
-    q = pad_head_dim(q, kv_cache.shape[4])
-    out = jnp.zeros((num_tokens + 1, num_heads, q.shape[2]), jnp.float32)
-    for decode in (True, False):
-        plan, tokens_per_block = plan_blocks(
-            q,
-            kv_lens,
-            query_start_loc,
-            num_kv_heads=num_kv_heads,
-            decode=decode,
-            block_q=block_sizes.block_q,
-            row_multiple=1,
+
+    def attend(plan, tokens_per_block, page_table, kv_lens, decode):
+        return _attend(
+            plan, tokens_per_block, kv_cache, layer, kv_lens, page_table, sliding_window, sm_scale, block_pages
         )
-        per_group = plan.tiles.shape[0] if decode else CHUNK_BLOCKS_PER_GROUP
-        res = _attend(
-            plan,
-            tokens_per_block,
-            kv_cache,
-            layer,
-            kv_lens,
-            page_table,
-            sliding_window,
-            sm_scale,
-            block_pages,
-            per_group,
-        )
-        out = out.at[plan.rows.reshape(-1)].set(untile(res, tokens_per_block, num_heads // num_kv_heads))
-    return out[:num_tokens, :, :head_dim].astype(q.dtype)
+
+    return attend_by_plan(
+        q,
+        kv_cache,
+        kv_lens,
+        page_table,
+        query_start_loc,
+        block_q=block_sizes.block_q,
+        block_pages=block_pages,
+        row_multiple=1,
+        attend=attend,
+    )

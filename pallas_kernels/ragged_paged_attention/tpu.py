@@ -33,14 +33,11 @@ from pallas_kernels.ragged_paged_attention.common import (
     DEFAULT_BLOCK_SIZES,
     MASKED,
     BlockSizes,
-    check_attention_inputs,
+    attend_by_plan,
     check_write_inputs,
     kv_block_range,
     kv_cache_shape,
     pad_head_dim,
-    pad_page_table,
-    plan_blocks,
-    untile,
 )
 
 LANES = 128
@@ -185,39 +182,23 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [T, Hq, head_dim]
     """Same contract as ``ref_ragged_paged_attention``; two kernel calls (decode blocks,
     prefill-chunk blocks) over the same cache."""
-    check_attention_inputs(q, kv_cache, kv_lens, page_table, query_start_loc)
-    num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[0] // 2
-    group = num_heads // num_kv_heads
     block_pages = min(block_sizes.block_pages, page_table.shape[1])
-    page_table = pad_page_table(page_table, block_pages).astype(jnp.int32)
-    pages_per_seq = page_table.shape[1]
+    block_kv = block_pages * kv_cache.shape[3]
     params = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(sliding_window, jnp.int32)])
-    kv_lens = kv_lens.astype(jnp.int32)
-    q_padded = pad_head_dim(q, kv_cache.shape[4])
-    out = jnp.zeros((num_tokens + 1, num_heads, q_padded.shape[2]), q.dtype)
-    for decode in (True, False):
-        plan, tokens_per_block = plan_blocks(
-            q_padded,
-            kv_lens,
-            query_start_loc.astype(jnp.int32),
-            num_kv_heads=num_kv_heads,
-            decode=decode,
-            block_q=block_sizes.block_q,
-            row_multiple=SUBLANES,
-        )
+
+    def attend(plan, tokens_per_block, page_table, kv_lens, decode):
         num_blocks, _, tile_rows, d = plan.tiles.shape
         tile_spec = pl.BlockSpec((None, None, tile_rows, d), lambda b, h, *_: (b, h, 0, 0))
         kernel = functools.partial(
             _attention_kernel,
-            group=group,
+            group=q.shape[1] // num_kv_heads,
             tokens_per_block=tokens_per_block,
             block_pages=block_pages,
-            pages_per_seq=pages_per_seq,
+            pages_per_seq=page_table.shape[1],
             sm_scale=sm_scale,
         )
-        block_kv = block_pages * kv_cache.shape[3]
-        tiles = pl.pallas_call(
+        return pl.pallas_call(
             kernel,
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=6,
@@ -234,18 +215,19 @@ def ragged_paged_attention(
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
             interpret=_interpret_arg(interpret),
             name="ragged_paged_attention_decode" if decode else "ragged_paged_attention_chunk",
-        )(
-            plan.seq,
-            plan.first_pos,
-            plan.num_tokens,
-            kv_lens,
-            page_table.reshape(-1),
-            params,
-            plan.tiles,
-            kv_cache,
-        )
-        out = out.at[plan.rows.reshape(-1)].set(untile(tiles, tokens_per_block, group))
-    return out[:num_tokens, :, :head_dim]
+        )(plan.seq, plan.first_pos, plan.num_tokens, kv_lens, page_table.reshape(-1), params, plan.tiles, kv_cache)
+
+    return attend_by_plan(
+        q,
+        kv_cache,
+        kv_lens,
+        page_table,
+        query_start_loc,
+        block_q=block_sizes.block_q,
+        block_pages=block_pages,
+        row_multiple=SUBLANES,
+        attend=attend,
+    )
 
 
 def _write_kernel(slots_ref, layer_ref, new_hbm, cache_in, cache_hbm, sem):
