@@ -68,11 +68,6 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of one token across all layers, in elements (multiply by itemsize)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters`; older files have `rope_theta` and

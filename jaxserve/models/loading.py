@@ -103,6 +103,12 @@ def load_model(
     orig_kv_heads = cfg.num_kv_heads
     cfg = dataclasses.replace(cfg, num_kv_heads=kv_heads)
 
+    # Matmul weights narrower than the activations travel as 16-bit patterns (llama.weight).
+    as_bits = weight_np != act_np and weight_np.itemsize == 2
+    abstract = nnx.eval_shape(
+        lambda: LlamaForCausalLM(cfg, jdtype, rngs=nnx.Rngs(0), weight_dtype=weight_dtype if as_bits else None)
+    )
+
     def put(name: str, w: np.ndarray) -> jax.Array:
         if as_bits and name in _MATMUL_PARAMS:
             w = w.view(np.uint16)
@@ -110,11 +116,6 @@ def load_model(
             return jax.device_put(w)
         return jax.device_put(w, param_sharding(mesh, name, w.shape))
 
-    # Matmul weights narrower than the activations travel as 16-bit patterns (llama.weight).
-    as_bits = weight_np != act_np and weight_np.itemsize == 2
-    abstract = nnx.eval_shape(
-        lambda: LlamaForCausalLM(cfg, jdtype, rngs=nnx.Rngs(0), weight_dtype=weight_dtype if as_bits else None)
-    )
     graphdef, state = nnx.split(abstract)
     shapes = nnx.to_pure_dict(state)
     params: dict = {"layers": {}}

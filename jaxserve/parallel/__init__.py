@@ -108,10 +108,6 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     return Mesh(np.asarray(devices[: cfg.size]).reshape(cfg.data, cfg.model), (DATA, MODEL))
 
 
-def spec(logical: tuple[str, ...]) -> P:
-    return P(*(LOGICAL_RULES[a] for a in logical))
-
-
 def check_divisible(num_heads: int, num_kv_heads: int, intermediate: int, model: int) -> int:
     """Validates a model against the ``model`` axis; returns the KV heads after replication.
 

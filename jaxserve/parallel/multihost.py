@@ -81,10 +81,6 @@ def initialize(cfg: DistributedConfig) -> None:
         jax.distributed.initialize(cfg.coordinator_address, num_processes=cfg.num_processes, process_id=cfg.process_id)
 
 
-def is_leader() -> bool:
-    return jax.process_index() == 0
-
-
 class StepChannel:
     """Process 0's calls on the jitted functions, replayed on every process."""
 

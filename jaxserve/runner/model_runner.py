@@ -174,9 +174,7 @@ class ModelRunner:
     def execute(self, seqs: list[ScheduledSeq], sampling: list[SeqSampling]) -> SamplerOutput:
         """Runs one step; returns the sampler's output (numpy) for the real sequences."""
         t0 = time.perf_counter()
-        b = self.pack(seqs)
-        md = self._attention_md(b)
-        smd = self._sampling_md(sampling, len(b.kv_lens), b.kv_lens.copy())
+        b, md, smd = self._inputs(seqs, sampling)
         if self.channel is not None:  # every process runs the same step (multihost.py)
             self.channel.announce(STEP, len(b.input_ids), len(b.kv_lens))
             md, smd = self.channel.share((md, smd))
@@ -194,9 +192,12 @@ class ModelRunner:
         sizes = [t // s + (i < t % s) for i in range(s)]
         return [ScheduledSeq([0] * n, 0, [0] * self.cfg.pages_per_seq) for n in sizes]
 
-    def _bucket_inputs(self, t: int, s: int) -> tuple[AttentionMetadata, SamplingMetadata]:
-        b = self.pack(self._bucket_seqs(t, s))
-        return self._attention_md(b), self._sampling_md(greedy(s), len(b.kv_lens), b.kv_lens.copy())
+    def _inputs(
+        self, seqs: list[ScheduledSeq], sampling: list[SeqSampling]
+    ) -> tuple[PackedBatch, AttentionMetadata, SamplingMetadata]:
+        """The packed batch and the step's two metadata pytrees."""
+        b = self.pack(seqs)
+        return b, self._attention_md(b), self._sampling_md(sampling, len(b.kv_lens), b.kv_lens.copy())
 
     def follow(self) -> None:
         """Followers (process > 0): replay the leader's steps and page copies until it stops."""
@@ -207,7 +208,8 @@ class ModelRunner:
             if op == STOP:
                 return
             if op == STEP:
-                md, smd = self.channel.share(self._bucket_inputs(a, b))
+                _, *inputs = self._inputs(self._bucket_seqs(a, b), greedy(b))
+                md, smd = self.channel.share(tuple(inputs))
                 self.kv_cache, _ = self._step(self.state, self.kv_cache, md, smd)
             elif op == COPY_PAGES:
                 src, dst = self.channel.share((np.zeros(a, np.int32), np.zeros(a, np.int32)))

@@ -124,8 +124,8 @@ def check_attention_inputs(q, kv_cache, kv_lens, page_table, query_start_loc) ->
 
 def query_blocks(query_start_loc: jax.Array, is_mine: jax.Array, num_blocks: int, block_q: int):
     """Splits the query tokens of the sequences where ``is_mine`` into blocks of at most
-    ``block_q`` tokens. Returns, per block: its sequence (clamped), whether it is used,
-    its first token index and its number of real tokens (0 when unused).
+    ``block_q`` tokens. Returns, per block: its sequence (clamped), its first token index
+    and its number of real tokens (0 when unused).
     ``num_blocks`` must cover the worst case.
     """
     num_seqs = query_start_loc.shape[0] - 1
@@ -139,7 +139,7 @@ def query_blocks(query_start_loc: jax.Array, is_mine: jax.Array, num_blocks: int
     index_in_seq = block - (ends[seq_c] - per_seq[seq_c])
     start = query_start_loc[seq_c] + index_in_seq * block_q
     length = jnp.where(used, jnp.clip(q_lens[seq_c] - index_in_seq * block_q, 0, block_q), 0)
-    return seq_c, used, start, length
+    return seq_c, start, length
 
 
 def decode_block_tokens(group: int) -> int:
@@ -189,7 +189,7 @@ def plan_blocks(
         tokens_per_block, num_blocks, mine = decode_block_tokens(group), num_seqs, q_lens == 1
     else:
         tokens_per_block, num_blocks, mine = block_q, num_tokens // block_q + num_seqs, q_lens != 1
-    seq, used, start, length = query_blocks(query_start_loc, mine, num_blocks, tokens_per_block)
+    seq, start, length = query_blocks(query_start_loc, mine, num_blocks, tokens_per_block)
     first_pos = kv_lens[seq] - q_lens[seq] + (start - query_start_loc[seq])
     offsets = jnp.arange(tokens_per_block)
     rows = jnp.where(offsets[None, :] < length[:, None], start[:, None] + offsets[None, :], num_tokens)

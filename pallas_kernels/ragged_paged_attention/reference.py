@@ -20,9 +20,10 @@ query tokens ``query_start_loc[s]:query_start_loc[s+1]`` (its newest tokens) and
 
 The reference tiles the work as the kernels do (``common.plan_blocks``): blocks of up to
 ``block_q`` query tokens of one sequence against blocks of ``block_pages`` pages, with an
-online softmax, for as many KV blocks as the longest sequence in the batch needs. A KV
-block beyond a token's position changes nothing bit for bit (its weights are exactly
-zero), so a token's output does not depend on what else is in the batch.
+online softmax, for as many KV blocks as the longest sequence of each group of query
+blocks needs. A KV block beyond a token's position changes nothing bit for bit (its
+weights are exactly zero), so a token's output does not depend on what else is in the
+batch.
 """
 
 from __future__ import annotations

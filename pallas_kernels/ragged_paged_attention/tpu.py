@@ -82,7 +82,6 @@ def _attention_kernel(
     sems,  # DMA semaphores [2]
     *,
     group: int,
-    tokens_per_block: int,
     block_pages: int,
     pages_per_seq: int,
     sm_scale: float,
@@ -193,7 +192,6 @@ def ragged_paged_attention(
         kernel = functools.partial(
             _attention_kernel,
             group=q.shape[1] // num_kv_heads,
-            tokens_per_block=tokens_per_block,
             block_pages=block_pages,
             pages_per_seq=page_table.shape[1],
             sm_scale=sm_scale,
