@@ -26,6 +26,9 @@ class EngineConfig:
     # 2x float32 on AMX machines, but under the stacked-layer scan XLA:CPU currently
     # runs the whole model slower (see the README's Performance section).
     weight_dtype: str | None = None
+    # Storage dtype of the KV cache (default: dtype). bfloat16 under float32 activations
+    # halves the cache's bytes and, on CPU, the attention time (attention reads float32).
+    kv_cache_dtype: str | None = None
     page_size: int = 16
     num_pages: int | None = None  # derived from kv_cache_memory_gb when unset
     kv_cache_memory_gb: float = 2.0
@@ -60,6 +63,11 @@ class EngineConfig:
 
         need("dtype", self.dtype is None or self.dtype in DTYPES, f"one of {', '.join(DTYPES)}")
         need("weight_dtype", self.weight_dtype is None or self.weight_dtype in DTYPES, f"one of {', '.join(DTYPES)}")
+        need(
+            "kv_cache_dtype",
+            self.kv_cache_dtype is None or self.kv_cache_dtype in DTYPES,
+            f"one of {', '.join(DTYPES)}",
+        )
         need("page_size", self.page_size in (8, 16, 32, 64, 128), "one of 8, 16, 32, 64, 128")
         need(
             "num_pages",

@@ -6,6 +6,10 @@ request produces exactly its output length). Prints output tok/s and total (prom
 output) tok/s for each system and the ratios. Needs torch + transformers (the test extra).
 
     python scripts/bench_offline.py [--requests 32] [--prompt 100:300] [--output 16:128] [--hf-batch 16]
+
+jaxserve rows (``--jaxserve``, comma-separated): ``float32`` (everything float32),
+``bf16-weights`` (float32 activations, bfloat16 matmul weights) and ``bf16`` (bfloat16
+matmul weights and KV cache, float32 activations, norms and softmax).
 """
 
 from __future__ import annotations
@@ -21,12 +25,18 @@ def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: in
     return [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*output)) for _ in range(n)]
 
 
-def bench_jaxserve(model: str, work, static: bool, args, weight_dtype: str | None = None) -> float:
+PRESETS = {
+    "float32": {},
+    "bf16-weights": {"weight_dtype": "bfloat16"},
+    "bf16": {"weight_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
+}
+
+
+def bench_jaxserve(model: str, work, static: bool, args, preset: str = "float32") -> float:
     from jaxserve import LLM, SamplingParams
 
     options = {"min_token_bucket": args.min_token_bucket} if args.min_token_bucket else {}
-    if weight_dtype:
-        options["weight_dtype"] = weight_dtype
+    options.update(PRESETS[preset])
     llm = LLM(
         model,
         progress=False,
@@ -93,14 +103,18 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--min-token-bucket", type=int, default=None)
     ap.add_argument(
-        "--weight-dtype",
+        "--jaxserve",
         default="float32",
-        help="comma-separated; each is a jaxserve row (bfloat16: float32 activations, bfloat16 matmul weights)",
+        help=f"comma-separated jaxserve rows, each one of: {', '.join(PRESETS)} (see the module docstring)",
     )
     ap.add_argument("--hf-batch", default="16", help="comma-separated batch sizes; each is timed")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-static", action="store_true")
     args = ap.parse_args()
+    presets = args.jaxserve.split(",")
+    for preset in presets:
+        if preset not in PRESETS:
+            ap.error(f"--jaxserve {preset!r}: must be one of {', '.join(PRESETS)}")
     span = lambda s: tuple(int(x) for x in s.split(":"))  # noqa: E731
     path = fetch("smollm2-135m-instruct", quiet=True)
     work = workload(args.requests, span(args.prompt), span(args.output), 49152)
@@ -108,9 +122,8 @@ def main() -> None:
     output_tokens = sum(m for _, m in work)
     print(f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens, SmolLM2 float32")
     results = {}
-    for wd in args.weight_dtype.split(","):
-        name = "jaxserve (continuous batching)" + ("" if wd == "float32" else f", {wd} weights")
-        results[name] = bench_jaxserve(str(path), work, False, args, wd)
+    for preset in presets:
+        results[f"jaxserve (continuous batching), {preset}"] = bench_jaxserve(str(path), work, False, args, preset)
     if not args.skip_static:
         results["jaxserve (static batching)"] = bench_jaxserve(str(path), work, True, args)
     if not args.skip_hf:
@@ -122,6 +135,12 @@ def main() -> None:
         print(
             f"{name:50s} {sec:8.1f} {output_tokens / sec:13.1f} {(prompt_tokens + output_tokens) / sec:12.1f} {sec / base:11.2f}x"
         )
+    hf = {name: sec for name, sec in results.items() if name.startswith("transformers")}
+    if hf:
+        best = min(hf.values())
+        for name, sec in results.items():
+            if name.startswith("jaxserve"):
+                print(f"{name}: {best / sec:.2f}x the best transformers row")
     print("command: python " + " ".join(sys.argv))
 
 

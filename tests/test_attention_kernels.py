@@ -11,6 +11,7 @@ import dataclasses
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -20,6 +21,7 @@ from pallas_kernels.ragged_paged_attention import (
     gpu,
     ref_ragged_paged_attention,
     ref_write_kv,
+    reference,
     tpu,
 )
 
@@ -147,6 +149,28 @@ def test_reference_matches_naive(case, num_heads, num_kv_heads, head_dim, window
     slots = c.slot_mapping[: c.num_written]
     written = cache[:, 1, slots // 4, slots % 4].transpose(1, 0, 2)  # [2*Hkv, n, D] -> [n, 2*Hkv, D]
     np.testing.assert_array_equal(written, np.concatenate([c.k_new, c.v_new], axis=1)[: c.num_written])
+
+
+def test_reference_bfloat16_cache_is_held_as_bits():
+    """A bfloat16 cache lives as uint16 bit patterns; reading and writing it gives exactly
+    what a float32 cache holding the same bfloat16-rounded values gives."""
+    c = make_case(_case_seqs("mixed"), 9, 3, 64)
+    assert reference.storage_dtype(jnp.bfloat16) == jnp.uint16
+    assert reference.storage_dtype(jnp.float32) == jnp.float32
+    as_bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+    bits = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(c.kv_cache, jnp.bfloat16), jnp.uint16))
+    sizes = BlockSizes(block_q=4, block_pages=2)
+    cache_bits, out_bits = _run(
+        ref_write_kv, ref_ragged_paged_attention, dataclasses.replace(c, kv_cache=bits), 0, sizes
+    )
+    rounded = dataclasses.replace(c, kv_cache=as_bf16(c.kv_cache), k_new=as_bf16(c.k_new), v_new=as_bf16(c.v_new))
+    cache_f32, out_f32 = _run(ref_write_kv, ref_ragged_paged_attention, rounded, 0, sizes)
+    assert cache_bits.dtype == np.uint16
+    np.testing.assert_array_equal(
+        np.asarray(jax.lax.bitcast_convert_type(cache_bits, jnp.bfloat16), np.float32), cache_f32
+    )
+    np.testing.assert_array_equal(out_bits, out_f32)
+    np.testing.assert_allclose(out_bits[: c.num_real_tokens], c.expected, atol=5e-2)  # bfloat16 K/V rounding
 
 
 def test_extra_kv_blocks_do_not_change_a_token_bitwise():

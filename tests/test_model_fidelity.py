@@ -71,14 +71,18 @@ def test_greedy_continuation_matches_transformers(tiny_model_dir, arch):
     llm.scheduler.check_integrity()
 
 
-def test_bfloat16_weights_with_float32_activations(tiny_model_dir):
-    """weight_dtype: matmul weights narrow, norms / activations / KV cache stay float32."""
+@pytest.mark.parametrize("kv_cache_dtype", [None, "bfloat16"])
+def test_bfloat16_weights_with_float32_activations(tiny_model_dir, kv_cache_dtype):
+    """weight_dtype: layer matmul weights narrow; embedding, norms and activations stay
+    float32; the KV cache too unless kv_cache_dtype narrows it."""
     path, hf = tiny_model_dir("llama")
-    llm = _llm(path, weight_dtype="bfloat16")
+    llm = _llm(path, weight_dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
     layers = llm.runner.state["layers"]
     # stored as bfloat16 bit patterns (see jaxserve.models.llama.weight)
-    assert layers["q_proj"][...].dtype == jnp.uint16 and llm.runner.state["embed"][...].dtype == jnp.uint16
-    assert layers["input_norm"][...].dtype == jnp.float32 and llm.runner.kv_cache.dtype == jnp.float32
+    assert layers["q_proj"][...].dtype == jnp.uint16 and llm.runner.state["embed"][...].dtype == jnp.float32
+    # a bfloat16 cache is held as its bits too (reference.storage_dtype)
+    kv_dtype = jnp.uint16 if kv_cache_dtype else jnp.float32
+    assert layers["input_norm"][...].dtype == jnp.float32 and llm.runner.kv_cache.dtype == kv_dtype
     ids = rng_tokens(40, hf.config.vocab_size, seed=5)
     pages = llm.pool.allocate(llm.pool.pages_needed(len(ids)))
     ours = llm.runner.logits([ScheduledSeq(ids, 0, pages)])

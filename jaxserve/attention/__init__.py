@@ -22,6 +22,7 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -107,6 +108,10 @@ class AttentionBackend:
     ) -> tuple[int, ...]:
         mod = _KERNELS.get(self.name, reference)
         return mod.get_kv_cache_shape(num_layers, num_pages, page_size, num_kv_heads, head_dim)
+
+    def kv_storage_dtype(self, kv_dtype) -> jnp.dtype:
+        """The array dtype holding a ``kv_dtype`` cache (the reference keeps bfloat16 as bits)."""
+        return reference.storage_dtype(kv_dtype) if self.name == "reference" else jnp.dtype(kv_dtype)
 
     def kv_bytes_per_page(self, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, itemsize: int):
         """Bytes one page takes across all layers and heads, padding included."""

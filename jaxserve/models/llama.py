@@ -145,7 +145,7 @@ class LlamaForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, jax.Array]:
         """Runs one step. Returns (logits [S, V] float32 at ``md.logits_indices``, kv_cache)."""
         cfg = self.cfg
-        embed = weight(self.embed[...], self.weight_dtype)
+        embed = self.embed[...]
         x = embed[md.input_ids].astype(self.norm[...].dtype)  # activations: the norms' dtype
         inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)  # numpy, a trace-time constant
         freqs = md.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
@@ -166,6 +166,6 @@ class LlamaForCausalLM(nnx.Module):
         (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layer_state, layer_ids, windows))
         x = x[md.logits_indices]
         x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
-        head = embed.T if cfg.tie_word_embeddings else weight(self.lm_head[...], self.weight_dtype)
+        head = embed.T if cfg.tie_word_embeddings else self.lm_head[...]
         logits = jnp.dot(x.astype(head.dtype), head, preferred_element_type=jnp.float32)
         return logits, kv_cache

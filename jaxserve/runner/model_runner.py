@@ -35,6 +35,7 @@ class RunnerConfig:
     max_num_seqs: int
     min_token_bucket: int = 64
     attention_backend: AttentionBackend = REFERENCE
+    kv_cache_dtype: str | None = None  # None: the activation dtype
 
     @property
     def pages_per_seq(self) -> int:
@@ -66,7 +67,8 @@ class ModelRunner:
         self.cfg = cfg
         mcfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
-        dtype = model.norm[...].dtype  # the activation dtype (weights may be narrower)
+        # The activation dtype (weights may be narrower), unless kv_cache_dtype says otherwise.
+        dtype = cfg.attention_backend.kv_storage_dtype(cfg.kv_cache_dtype or model.norm[...].dtype)
         shape = cfg.attention_backend.kv_cache_shape(
             mcfg.num_layers, cfg.num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim
         )

@@ -6,6 +6,11 @@ pages for one head is a contiguous copy with no transpose::
     kv_cache[2 * num_kv_heads, num_layers, num_pages, page_size, head_dim]
              ^ K heads first, then V heads
 
+A bfloat16 cache is stored as its raw bit patterns (``uint16``; ``storage_dtype``): held
+as bfloat16, XLA:CPU converts the whole cache to float32 on every read instead of only
+the gathered pages. Reading the bits and bitcasting per KV block is what makes a
+bfloat16 cache (half the bytes of float32) faster, not slower, on CPU.
+
 A token's K/V lives at ``slot = page * page_size + offset`` in every head's plane. Page 0 is scratch:
 padding tokens write there and no sequence reads it. A backend may pad ``head_dim``
 (``get_kv_cache_shape``); the padding lanes hold zeros.
@@ -52,6 +57,25 @@ def get_kv_cache_shape(
     return kv_cache_shape(num_layers, num_pages, page_size, num_kv_heads, head_dim, head_dim_padded=head_dim)
 
 
+def storage_dtype(kv_dtype) -> jnp.dtype:
+    """The dtype the reference backend keeps a ``kv_dtype`` cache in (bfloat16 -> its bits)."""
+    kv_dtype = jnp.dtype(kv_dtype)
+    return jnp.dtype(jnp.uint16) if kv_dtype == jnp.bfloat16 else kv_dtype
+
+
+def _to_cache(x: jax.Array, cache_dtype) -> jax.Array:
+    if cache_dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(cache_dtype)
+
+
+def _from_cache(x: jax.Array) -> jax.Array:
+    """Cache values (gathered pages) as float32."""
+    if x.dtype == jnp.uint16:
+        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+    return x.astype(jnp.float32)
+
+
 @jax.jit
 def ref_write_kv(
     kv_cache: jax.Array,  # [2*Hkv, L, num_pages, page_size, D]
@@ -63,7 +87,7 @@ def ref_write_kv(
     """Writes this step's K/V into their slots (an in-place scatter when donated)."""
     check_write_inputs(kv_cache, slot_mapping, k, v)
     page_size = kv_cache.shape[3]
-    kv = jnp.concatenate([k, v], axis=1).astype(kv_cache.dtype).transpose(1, 0, 2)  # [2*Hkv, T, head_dim]
+    kv = _to_cache(jnp.concatenate([k, v], axis=1), kv_cache.dtype).transpose(1, 0, 2)  # [2*Hkv, T, head_dim]
     kv = pad_head_dim(kv, kv_cache.shape[4])
     return (
         jnp.asarray(kv_cache)
@@ -145,23 +169,29 @@ def _attend_group(
     row_real = (row_tok[None, :] < num_tokens[:, None])[None, :, :, None]
     seq_kv_lens = jnp.where(num_tokens > 0, kv_lens[seq], 0)
     num_kv_blocks = (jnp.max(seq_kv_lens) + block_kv - 1) // block_kv
+    heads = jnp.arange(num_kv_heads)[:, None, None]
 
     def body(j, carry):
         m, denom, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(page_table, j * block_pages, block_pages, axis=1)[seq]
-        # Head-major pages: one gather gives [2*Hkv, G, Kb, D] with no transpose.
-        kv = kv_cache[:, layer, pages].reshape(2 * num_kv_heads, num_blocks, block_kv, head_dim).astype(jnp.float32)
+
+        def load(first_head):
+            # One gather per K and V, indexing head, layer and page at once, gives
+            # [Hkv, G, Kb, D] in the dot's layout (slicing the cache first copies a layer).
+            x = kv_cache[heads + first_head, layer, pages[None]]
+            return _from_cache(x.reshape(num_kv_heads, num_blocks, block_kv, head_dim))
+
         kv_pos = j * block_kv + jnp.arange(block_kv)
         valid = (kv_pos <= row_pos) & (kv_pos >= row_low) & row_real  # [1, G, R, Kb]
-        # Zero V outside the sequence's written slots: p is 0 there, but 0 * NaN is NaN.
-        written = kv_pos[None, :] < seq_kv_lens[:, None]
-        v = jnp.where(written[None, :, :, None], kv[num_kv_heads:], 0.0)
-        s = jnp.einsum("hgrd,hgkd->hgrk", qb, kv[:num_kv_heads])
+        s = jnp.einsum("hgrd,hgkd->hgrk", qb, load(0))
         s = jnp.where(valid, s, MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
         denom = denom * alpha + p.sum(axis=-1)
+        # Zero V outside the sequence's written slots: p is 0 there, but 0 * NaN is NaN.
+        written = kv_pos[None, :] < seq_kv_lens[:, None]
+        v = jnp.where(written[None, :, :, None], load(num_kv_heads), 0.0)
         acc = acc * alpha[..., None] + jnp.einsum("hgrk,hgkd->hgrd", p, v)
         return m_new, denom, acc
 
