@@ -1,5 +1,5 @@
 """Engine-level checks of the attention backends: the Pallas kernels in interpret mode
-give the reference backend's greedy tokens, with prefill chunks and decodes mixed in the
+and the C++ CPU kernel give the reference backend's greedy tokens, with prefill chunks and decodes mixed in the
 same steps; backend selection and its errors."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.attention import AttentionBackend
 from jaxserve.errors import ConfigError
+from pallas_kernels.ragged_paged_attention import cpu
 
 
 def _llm(path, backend: str, **kw) -> LLM:
@@ -26,7 +27,7 @@ def _llm(path, backend: str, **kw) -> LLM:
         progress=False,
         keep_step_records=True,
         attention_backend=backend,
-        attention_interpret=backend != "reference",
+        attention_interpret=backend.startswith("pallas"),
     )
     return LLM(str(path), **{**opts, **kw})
 
@@ -56,15 +57,29 @@ def test_pallas_backend_in_interpret_mode_matches_reference(work_and_reference, 
     assert stats["pages_free"] == stats["pages_total"]
 
 
+def test_cpu_backend_matches_reference(work_and_reference):
+    if not cpu.available():
+        pytest.skip(f"the CPU kernel cannot be built here: {cpu.build_error()}")
+    path, prompts, params, expected = work_and_reference
+    llm = _llm(path, "cpu")
+    assert llm.attention_backend.name == "cpu"
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    stats = llm.stats()
+    assert stats["pages_free"] == stats["pages_total"]
+
+
 def test_backend_selection():
-    assert AttentionBackend.resolve("auto", page_size=16, platform="cpu").name == "reference"
+    auto_cpu = AttentionBackend.resolve("auto", page_size=16, platform="cpu").name
+    assert auto_cpu == ("cpu" if cpu.available() else "reference")
     assert AttentionBackend.resolve("auto", page_size=16, platform="tpu").name == "pallas_tpu"
     gpu = AttentionBackend.resolve("auto", page_size=16, platform="gpu")
     assert gpu.name == "pallas_gpu" and gpu.block_sizes.block_pages == 8
     with pytest.raises(ValueError, match="'pallas_tpu' needs a TPU.*attention_interpret: true"):
         AttentionBackend.resolve("pallas_tpu", page_size=16, platform="cpu")
-    with pytest.raises(ValueError, match="not one of: auto, reference, pallas_tpu, pallas_gpu"):
+    with pytest.raises(ValueError, match="not one of: auto, reference, pallas_tpu, pallas_gpu, cpu"):
         AttentionBackend.resolve("flash", page_size=16)
+    with pytest.raises(ValueError, match="'cpu' runs on the CPU only"):
+        AttentionBackend.resolve("cpu", page_size=16, platform="tpu")
 
 
 def test_pallas_backend_without_interpret_on_cpu_is_a_config_error(tiny_model_dir):

@@ -17,6 +17,7 @@ import pytest
 
 from pallas_kernels.ragged_paged_attention import (
     BlockSizes,
+    cpu,
     get_kv_cache_shape,
     gpu,
     ref_ragged_paged_attention,
@@ -281,3 +282,66 @@ def test_kernel_rejects_bad_inputs_by_name(kernel):
         mod.write_kv(c.kv_cache, 1, c.slot_mapping[:-1], c.k_new, c.v_new, interpret=True)
     with pytest.raises(ValueError, match="block_q must be a positive int"):
         BlockSizes(block_q=0)
+
+
+# The C++ CPU kernel (cpu.py): runs natively here, so it is checked at every shape.
+needs_cpu_kernel = pytest.mark.skipif(
+    not cpu.available(), reason="the CPU kernel cannot be built here (no C++ compiler?)"
+)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, page_size", [*KERNEL_SHAPES, (4, 2, 8, 4)])
+@pytest.mark.parametrize("window", [0, 20])
+def test_cpu_kernel_matches_naive(case, num_heads, num_kv_heads, head_dim, page_size, window):
+    c = make_case(_kernel_case_seqs(case), num_heads, num_kv_heads, head_dim, window=window, page_size=page_size)
+    cache, out = _run(cpu.write_kv, cpu.ragged_paged_attention, c, window, BlockSizes())
+    np.testing.assert_allclose(out[: c.num_real_tokens], c.expected, atol=2e-5, rtol=1e-5)
+    assert np.all(out[c.num_real_tokens :] == 0)
+    ref_cache, _ = _run(ref_write_kv, ref_ragged_paged_attention, c, window, BlockSizes())
+    np.testing.assert_array_equal(cache[:, :, 1:], ref_cache[:, :, 1:])
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_bfloat16_bits_cache():
+    c = make_case(_kernel_case_seqs("mixed"), 9, 3, 64, page_size=16)
+    bits = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(c.kv_cache, jnp.bfloat16), jnp.uint16))
+    cache, out = _run(cpu.write_kv, cpu.ragged_paged_attention, dataclasses.replace(c, kv_cache=bits), 0, BlockSizes())
+    assert cache.dtype == np.uint16
+    np.testing.assert_allclose(out[: c.num_real_tokens], c.expected, atol=3e-2)  # bfloat16 K/V rounding
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_token_is_bitwise_independent_of_its_batch():
+    """A token's output is bit-identical computed as a decode, as the last row of a
+    prefill chunk, alone or beside other sequences (its row's arithmetic is its own)."""
+    c = make_case([(1, 37)], 9, 3, 64, page_size=16)
+    rng = np.random.RandomState(3)
+    cache = np.where(np.isnan(c.kv_cache), rng.randn(*c.kv_cache.shape), c.kv_cache).astype(np.float32)
+    pages = c.page_table[:1]
+    q = rng.randn(40, 9, 64).astype(np.float32)
+
+    def run(q, kv_lens, page_table, query_start_loc):
+        args = (q, cache, np.int32(1), np.asarray(kv_lens, np.int32), page_table, np.asarray(query_start_loc, np.int32))
+        return np.asarray(cpu.ragged_paged_attention(*args, 0, sm_scale=0.125))
+
+    decode = run(q[:1], [37], pages, [0, 1])[0]
+    q_chunk = q[:12].copy()  # positions 25..36: the last is the decode's, with its query
+    q_chunk[11] = q[0]
+    chunk = run(q_chunk, [37], pages, [0, 12])[11]
+    beside = run(np.concatenate([q[20:25], q[:1]]), [30, 37], np.concatenate([pages, pages]), [0, 5, 6])[5]
+    np.testing.assert_array_equal(decode, chunk)
+    np.testing.assert_array_equal(decode, beside)
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_rejects_bad_inputs_by_name():
+    c = make_case([(1, 5)], 4, 2, 64, page_size=16)
+    args = (c.kv_lens, c.page_table, c.query_start_loc)
+    with pytest.raises(ValueError, match="float32 or uint16"):
+        cpu.ragged_paged_attention(c.q, c.kv_cache.astype(np.float16), 1, *args, sm_scale=1.0)
+    with pytest.raises(ValueError, match="q has 3 heads"):
+        cpu.ragged_paged_attention(c.q[:, :3], c.kv_cache, 1, *args, sm_scale=1.0)
+    with pytest.raises(ValueError, match="must equal the cache's head_dim"):
+        cpu.ragged_paged_attention(c.q[:, :, :32], c.kv_cache, 1, *args, sm_scale=1.0)

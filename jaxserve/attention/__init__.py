@@ -10,7 +10,9 @@ Backends (``attention_backend``):
   CPU path and the oracle.
 - ``pallas_tpu``: Pallas Mosaic kernels (``.../tpu.py``).
 - ``pallas_gpu``: Pallas Triton kernels (``.../gpu.py``).
-- ``auto``: ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, ``reference`` elsewhere.
+- ``cpu``: a C++ kernel through XLA's FFI (``.../cpu.py``), compiled on first use.
+- ``auto``: ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, ``cpu`` on CPU (``reference``
+  when the C++ kernel cannot be built).
 
 The Pallas backends run on CPU only in interpret mode (``attention_interpret``), which
 is how CI checks them. Each backend owns its KV layout (``kv_cache_shape``).
@@ -27,11 +29,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.parallel import MODEL
-from pallas_kernels.ragged_paged_attention import BlockSizes, gpu, reference, tpu
+from pallas_kernels.ragged_paged_attention import BlockSizes, cpu, gpu, reference, tpu
 
-BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
-_KERNELS = {"pallas_tpu": tpu, "pallas_gpu": gpu}
-_PLATFORM_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
+BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu", "cpu")
+_KERNELS = {"pallas_tpu": tpu, "pallas_gpu": gpu, "cpu": cpu}
+_PLATFORM_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "cpu": "cpu"}
 
 
 @jax.tree_util.register_dataclass
@@ -90,8 +92,16 @@ class AttentionBackend:
         platform = platform or jax.default_backend()
         if name == "auto":
             name = _PLATFORM_BACKEND.get(platform, "reference")
+            if name == "cpu" and not cpu.available():
+                name = "reference"
         if name == "reference":
             return cls("reference", False, BlockSizes(), mesh)
+        if name == "cpu":
+            if platform != "cpu":
+                raise ValueError(f"attention_backend 'cpu' runs on the CPU only, but JAX's platform is {platform!r}")
+            if not cpu.available():
+                raise ValueError(f"attention_backend 'cpu': {cpu.build_error()}; use attention_backend: reference")
+            return cls("cpu", False, BlockSizes(), mesh)
         needs = "tpu" if name == "pallas_tpu" else "gpu"
         if not interpret and _PLATFORM_BACKEND.get(platform) != name:
             raise ValueError(
@@ -111,7 +121,7 @@ class AttentionBackend:
 
     def kv_storage_dtype(self, kv_dtype) -> jnp.dtype:
         """The array dtype holding a ``kv_dtype`` cache (the reference keeps bfloat16 as bits)."""
-        return reference.storage_dtype(kv_dtype) if self.name == "reference" else jnp.dtype(kv_dtype)
+        return reference.storage_dtype(kv_dtype) if self.name in ("reference", "cpu") else jnp.dtype(kv_dtype)
 
     def kv_bytes_per_page(self, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, itemsize: int):
         """Bytes one page takes across all layers and heads, padding included."""

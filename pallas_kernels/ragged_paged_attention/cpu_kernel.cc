@@ -1,0 +1,333 @@
+// Ragged paged attention on the CPU: an XLA FFI custom call (see cpu.py).
+//
+// Same contract as reference.py: a flat ragged batch of prefill chunks and decodes,
+// causal (optionally sliding-window) attention of each query token over its own
+// sequence's pages, in the shared head-major layout
+//
+//     kv_cache[2 * Hkv, L, num_pages, page_size, D]   (float32, or bfloat16 bits as uint16)
+//
+// Work is split into tiles of one sequence, one KV head and up to kRows query rows
+// (row = query token x query head sharing the KV head). For each tile:
+//   1. scores: each K row is read (and widened to float32) once, then dotted with every
+//      row that can see it: 16-lane partial sums over head_dim, then a fixed tree;
+//   2. softmax per row over its own positions [lo, pos], exactly (two passes, no online
+//      rescaling);
+//   3. output: every row accumulates p * V over its positions in ascending order.
+// Each row's arithmetic (the order of every sum) depends only on the row itself, never
+// on the tile or the batch around it, so a token's output is bit-identical however it
+// was batched, whether as a decode or inside a prefill chunk.
+//
+// Built on first use by cpu.py with the machine's C++ compiler (-O3 -march=native).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;  // partial sums of a dot product
+constexpr int kRows = 64;   // query rows per tile (at most)
+// 16 floats: one AVX-512 register, two AVX2 ones, four NEON ones (GCC/Clang vectors).
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint16_t Bits16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t Bits32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(uint16_t bits) {  // bfloat16 bits -> float32, exact
+  uint32_t b = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+// 16 consecutive values as float32 lanes.
+inline Lanes LoadLanes(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline Lanes LoadLanes(const uint16_t* p) {
+  Bits16 b;
+  std::memcpy(&b, p, sizeof b);
+  Bits32 wide = __builtin_convertvector(b, Bits32) << 16;
+  Lanes v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+// Sum of the lanes, always by the same tree: halves added lane-wise, 16 -> 8 -> 4 -> 2 -> 1.
+typedef float Lanes8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float Lanes4 __attribute__((vector_size(4 * sizeof(float))));
+
+template <typename Half, typename Whole>
+inline Half AddHalves(const Whole& v) {
+  Half lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  return lo + hi;
+}
+
+inline float SumLanes(Lanes v) {
+  const Lanes4 v4 = AddHalves<Lanes4>(AddHalves<Lanes8>(v));
+  const float v2[2] = {v4[0] + v4[2], v4[1] + v4[3]};
+  return v2[0] + v2[1];
+}
+
+// exp(x) for x <= 0 (Cephes expf: Cody-Waite reduction + degree-6 polynomial, ~1 ulp).
+// Branch-free, so the compiler vectorizes loops over it.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+struct Problem {
+  const float* q;          // [T, Hq, D]
+  const void* kv;          // [2*Hkv, L, P, PS, D]
+  int64_t num_tokens, num_heads, num_kv_heads, head_dim, num_pages, page_size, num_layers;
+  int32_t layer, window;
+  const int32_t* kv_lens;  // [S]
+  const int32_t* page_table;  // [S, W]
+  int64_t pages_per_seq;
+  const int32_t* query_start_loc;  // [S+1]
+  float sm_scale;
+  float* out;  // [T, Hq, D]
+};
+
+struct Tile {
+  int32_t seq, kv_head, first_token, num_tokens;  // tokens relative to the sequence's first
+};
+
+template <typename T>
+class TileRunner {
+ public:
+  explicit TileRunner(const Problem& pb) : pb_(pb) {}
+
+  void Run(const Tile& t) {
+    const Problem& pb = pb_;
+    const int64_t D = pb.head_dim, G = pb.num_heads / pb.num_kv_heads;
+    const int64_t chunks = (D + kLanes - 1) / kLanes;  // head_dim in 16-lane chunks, zero-padded
+    const int32_t q_start = pb.query_start_loc[t.seq];
+    const int32_t q_len = pb.query_start_loc[t.seq + 1] - q_start;
+    const int32_t kv_len = pb.kv_lens[t.seq];
+    const int32_t first_pos = kv_len - q_len;
+    const int rows = t.num_tokens * static_cast<int>(G);
+
+    // Rows: (token i, head g) -> position, lowest visible position, scaled query.
+    pos_.resize(rows);
+    lo_.resize(rows);
+    qs_.assign(static_cast<size_t>(rows) * chunks, Lanes{});
+    for (int r = 0; r < rows; ++r) {
+      const int32_t i = t.first_token + r / G;
+      const int64_t head = t.kv_head * G + r % G;
+      pos_[r] = first_pos + i;
+      lo_[r] = pb.window > 0 ? std::max(0, pos_[r] - pb.window + 1) : 0;
+      const float* q = pb.q + ((q_start + i) * pb.num_heads + head) * D;
+      float* qs = reinterpret_cast<float*>(&qs_[r * chunks]);
+      for (int64_t d = 0; d < D; ++d) qs[d] = q[d] * pb.sm_scale;
+    }
+    const int32_t jlo = lo_[0];              // the tile's lowest visible position
+    const int32_t jhi = pos_[rows - 1] + 1;  // one past its highest
+    const int64_t width = jhi - jlo;
+    scores_.resize(static_cast<size_t>(rows) * width);
+    k_.resize(chunks);
+    row_.assign(chunks * kLanes, 0.0f);
+
+    // Start fetching every K and V page the tile reads: the pages are scattered, and
+    // many misses in flight beat one demand miss after another.
+    const int64_t page_bytes = pb.page_size * D * static_cast<int64_t>(sizeof(T));
+    for (int32_t page = jlo / pb.page_size; page <= (jhi - 1) / pb.page_size; ++page) {
+      for (int64_t plane : {static_cast<int64_t>(t.kv_head), pb.num_kv_heads + t.kv_head}) {
+        const char* base = reinterpret_cast<const char*>(Page(t.seq, plane, page));
+        for (int64_t byte = 0; byte < page_bytes; byte += 64) __builtin_prefetch(base + byte);
+      }
+    }
+
+    // 1. Scores.
+    const T* k = nullptr;
+    for (int32_t j = jlo, off = jlo % pb.page_size; j < jhi; ++j, ++off) {
+      if (k == nullptr || off == pb.page_size) {
+        off = j % pb.page_size;
+        k = Page(t.seq, t.kv_head, j / pb.page_size);
+      }
+      LoadRow(k + off * D, D);
+      for (int r = 0; r < rows; ++r) {
+        if (j < lo_[r] || j > pos_[r]) continue;
+        const Lanes* q = &qs_[r * chunks];
+        Lanes acc = q[0] * k_[0];
+        for (int64_t c = 1; c < chunks; ++c) acc += q[c] * k_[c];
+        scores_[r * width + (j - jlo)] = SumLanes(acc);
+      }
+    }
+
+    // 2. Softmax per row over its own positions [lo, pos].
+    denom_.resize(rows);
+    for (int r = 0; r < rows; ++r) {
+      float* s = &scores_[r * width];
+      const int32_t a = lo_[r] - jlo, e = pos_[r] - jlo + 1;
+      float m = s[a];
+      for (int32_t j = a + 1; j < e; ++j) m = std::max(m, s[j]);
+      for (int32_t j = a; j < e; ++j) s[j] = ExpNonPositive(s[j] - m);
+      float sum = 0.0f;
+      for (int32_t j = a; j < e; ++j) sum += s[j];
+      denom_[r] = sum;
+    }
+
+    // 3. Output: sum of p * V in ascending position order, per row.
+    acc_.assign(static_cast<size_t>(rows) * chunks, Lanes{});
+    const T* v = nullptr;
+    for (int32_t j = jlo, off = jlo % pb.page_size; j < jhi; ++j, ++off) {
+      if (v == nullptr || off == pb.page_size) {
+        off = j % pb.page_size;
+        v = Page(t.seq, pb.num_kv_heads + t.kv_head, j / pb.page_size);
+      }
+      LoadRow(v + off * D, D);
+      for (int r = 0; r < rows; ++r) {
+        if (j < lo_[r] || j > pos_[r]) continue;
+        const float p = scores_[r * width + (j - jlo)];
+        Lanes* acc = &acc_[r * chunks];
+        for (int64_t c = 0; c < chunks; ++c) acc[c] += p * k_[c];
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      const int32_t i = t.first_token + r / G;
+      const int64_t head = t.kv_head * G + r % G;
+      float* o = pb.out + ((q_start + i) * pb.num_heads + head) * D;
+      const float* acc = reinterpret_cast<const float*>(&acc_[r * chunks]);
+      const float inv = 1.0f / denom_[r];
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+    }
+  }
+
+ private:
+  // The K (plane < Hkv) or V rows of the index-th page of sequence seq.
+  const T* Page(int32_t seq, int64_t plane, int32_t index) const {
+    const Problem& pb = pb_;
+    const int64_t page = pb.page_table[seq * pb.pages_per_seq + index];
+    const int64_t row = ((plane * pb.num_layers + pb.layer) * pb.num_pages + page) * pb.page_size;
+    return static_cast<const T*>(pb.kv) + row * pb.head_dim;
+  }
+
+  // One K or V row into k_ as float32 chunks (zero past head_dim).
+  void LoadRow(const T* x, int64_t D) {
+    if (D % kLanes == 0) {
+      for (int64_t c = 0; c < D / kLanes; ++c) k_[c] = LoadLanes(x + c * kLanes);
+    } else {
+      for (int64_t d = 0; d < D; ++d) row_[d] = ToFloat(x[d]);
+      std::memcpy(k_.data(), row_.data(), k_.size() * sizeof(Lanes));
+    }
+  }
+
+  const Problem& pb_;
+  std::vector<int32_t> pos_, lo_;
+  std::vector<Lanes> qs_, k_, acc_;  // [rows, chunks], [chunks], [rows, chunks]
+  std::vector<float> scores_, row_, denom_;
+};
+
+template <typename T>
+void RunTiles(const Problem& pb, const std::vector<Tile>& tiles, size_t begin, size_t end) {
+  TileRunner<T> runner(pb);
+  for (size_t i = begin; i < end; ++i) runner.Run(tiles[i]);
+}
+
+ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> layer,
+                  ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
+                  ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> window, float sm_scale,
+                  int64_t num_threads, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions();
+  auto kd = kv_cache.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || page_table.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument("q must be [T, Hq, D], kv_cache 5-D and page_table 2-D");
+  }
+  const bool bits = kv_cache.element_type() == ffi::DataType::U16;
+  if (!bits && kv_cache.element_type() != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("kv_cache must be float32 or uint16 (bfloat16 bits)");
+  }
+  Problem pb;
+  pb.q = q.typed_data();
+  pb.kv = kv_cache.untyped_data();
+  pb.num_tokens = qd[0];
+  pb.num_heads = qd[1];
+  pb.head_dim = qd[2];
+  pb.num_kv_heads = kd[0] / 2;
+  pb.num_layers = kd[1];
+  pb.num_pages = kd[2];
+  pb.page_size = kd[3];
+  if (kd[4] != pb.head_dim || pb.num_heads % pb.num_kv_heads) {
+    return ffi::Error::InvalidArgument("q's heads / head_dim do not match kv_cache");
+  }
+  pb.layer = layer.typed_data()[0];
+  pb.window = window.typed_data()[0];
+  pb.kv_lens = kv_lens.typed_data();
+  pb.page_table = page_table.typed_data();
+  pb.pages_per_seq = page_table.dimensions()[1];
+  pb.query_start_loc = query_start_loc.typed_data();
+  pb.sm_scale = sm_scale;
+  pb.out = out->typed_data();
+  const int64_t num_seqs = kv_lens.dimensions()[0];
+
+  // Padding tokens (past the last sequence) come out zero.
+  std::fill(pb.out, pb.out + pb.num_tokens * pb.num_heads * pb.head_dim, 0.0f);
+  const int32_t group = static_cast<int32_t>(pb.num_heads / pb.num_kv_heads);
+  const int32_t tokens_per_tile = std::max<int32_t>(1, kRows / group);
+  std::vector<Tile> tiles;
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    const int32_t q_len = pb.query_start_loc[s + 1] - pb.query_start_loc[s];
+    if (q_len <= 0) continue;
+    for (int32_t h = 0; h < pb.num_kv_heads; ++h) {
+      for (int32_t i = 0; i < q_len; i += tokens_per_tile) {
+        tiles.push_back({s, h, i, std::min(tokens_per_tile, q_len - i)});
+      }
+    }
+  }
+  // Threads take contiguous runs of tiles; which thread runs a tile never changes its result.
+  const size_t workers = std::max<size_t>(1, std::min<size_t>(num_threads, tiles.size()));
+  auto run = [&](size_t begin, size_t end) {
+    if (bits) {
+      RunTiles<uint16_t>(pb, tiles, begin, end);
+    } else {
+      RunTiles<float>(pb, tiles, begin, end);
+    }
+  };
+  std::vector<std::thread> threads;
+  for (size_t w = 1; w < workers; ++w) {
+    threads.emplace_back(run, tiles.size() * w / workers, tiles.size() * (w + 1) / workers);
+  }
+  run(0, tiles.size() / workers);
+  for (auto& th : threads) th.join();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attend,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::AnyBuffer>()          // kv_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // sliding window
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("num_threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
