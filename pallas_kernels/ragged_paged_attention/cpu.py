@@ -87,14 +87,6 @@ def _build() -> tuple[bool, str]:
     return True, ""
 
 
-def _usable_cpus() -> int:
-    """CPUs this process may run on (a container's limit, not the host's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def available() -> bool:
     """Whether the kernel is built and registered (builds it on first call)."""
     ok, error = _build()
@@ -113,7 +105,7 @@ def write_kv(kv_cache, layer, slot_mapping, k, v, *, interpret: bool = False):
     return ref_write_kv(kv_cache, layer, slot_mapping, k, v)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret", "num_threads"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     kv_cache: jax.Array,  # [2*Hkv, L, num_pages, page_size, D], float32 or uint16 (bfloat16 bits)
@@ -126,7 +118,6 @@ def ragged_paged_attention(
     sm_scale: float,
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,  # unused: the kernel tiles by itself
     interpret: bool = False,  # unused: there is nothing to interpret
-    num_threads: int | None = None,
 ) -> jax.Array:  # [T, Hq, D]
     del block_sizes, interpret
     check_attention_inputs(q, kv_cache, kv_lens, page_table, query_start_loc)
@@ -147,6 +138,5 @@ def ragged_paged_attention(
         query_start_loc.astype(i32),
         jnp.asarray(sliding_window, i32).reshape(()),
         sm_scale=np.float32(sm_scale),
-        num_threads=np.int64(num_threads or _usable_cpus()),
     )
     return out.astype(q.dtype)

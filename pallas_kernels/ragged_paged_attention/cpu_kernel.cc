@@ -20,10 +20,13 @@
 // Built on first use by cpu.py with the machine's C++ compiler (-O3 -march=native).
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -117,7 +120,9 @@ struct Tile {
   int32_t seq, kv_head, first_token, num_tokens;  // tokens relative to the sequence's first
 };
 
-template <typename T>
+// T: the cache's element type. C: head_dim / 16 when the dispatch knows it (1, 2, 4, 8),
+// so a K or V row lives in registers; 0 for any other head_dim (zero-padded chunks).
+template <typename T, int C>
 class TileRunner {
  public:
   explicit TileRunner(const Problem& pb) : pb_(pb) {}
@@ -125,7 +130,7 @@ class TileRunner {
   void Run(const Tile& t) {
     const Problem& pb = pb_;
     const int64_t D = pb.head_dim, G = pb.num_heads / pb.num_kv_heads;
-    const int64_t chunks = (D + kLanes - 1) / kLanes;  // head_dim in 16-lane chunks, zero-padded
+    const int64_t chunks = C > 0 ? C : (D + kLanes - 1) / kLanes;  // head_dim in 16-lane chunks
     const int32_t q_start = pb.query_start_loc[t.seq];
     const int32_t q_len = pb.query_start_loc[t.seq + 1] - q_start;
     const int32_t kv_len = pb.kv_lens[t.seq];
@@ -163,18 +168,19 @@ class TileRunner {
     }
 
     // 1. Scores.
+    Lanes regs[C > 0 ? C : 1];  // the current K or V row, when C is known
     const T* k = nullptr;
     for (int32_t j = jlo, off = jlo % pb.page_size; j < jhi; ++j, ++off) {
       if (k == nullptr || off == pb.page_size) {
         off = j % pb.page_size;
         k = Page(t.seq, t.kv_head, j / pb.page_size);
       }
-      LoadRow(k + off * D, D);
+      const Lanes* kr = LoadRow(k + off * D, D, regs);
       for (int r = 0; r < rows; ++r) {
         if (j < lo_[r] || j > pos_[r]) continue;
         const Lanes* q = &qs_[r * chunks];
-        Lanes acc = q[0] * k_[0];
-        for (int64_t c = 1; c < chunks; ++c) acc += q[c] * k_[c];
+        Lanes acc = q[0] * kr[0];
+        for (int64_t c = 1; c < chunks; ++c) acc += q[c] * kr[c];
         scores_[r * width + (j - jlo)] = SumLanes(acc);
       }
     }
@@ -200,12 +206,12 @@ class TileRunner {
         off = j % pb.page_size;
         v = Page(t.seq, pb.num_kv_heads + t.kv_head, j / pb.page_size);
       }
-      LoadRow(v + off * D, D);
+      const Lanes* vr = LoadRow(v + off * D, D, regs);
       for (int r = 0; r < rows; ++r) {
         if (j < lo_[r] || j > pos_[r]) continue;
         const float p = scores_[r * width + (j - jlo)];
         Lanes* acc = &acc_[r * chunks];
-        for (int64_t c = 0; c < chunks; ++c) acc[c] += p * k_[c];
+        for (int64_t c = 0; c < chunks; ++c) acc[c] += p * vr[c];
       }
     }
     for (int r = 0; r < rows; ++r) {
@@ -227,15 +233,18 @@ class TileRunner {
     return static_cast<const T*>(pb.kv) + row * pb.head_dim;
   }
 
-  // One K or V row into k_ as float32 chunks (zero past head_dim).
-  void LoadRow(const T* x, int64_t D) {
-    if (D % kLanes == 0) {
-      for (int64_t c = 0; c < D / kLanes; ++c) k_[c] = LoadLanes(x + c * kLanes);
+  // One K or V row as float32 chunks (zero past head_dim).
+  const Lanes* LoadRow(const T* x, int64_t D, Lanes* regs) {
+    if constexpr (C > 0) {
+      for (int c = 0; c < C; ++c) regs[c] = LoadLanes(x + c * kLanes);
+      return regs;
     } else {
       for (int64_t d = 0; d < D; ++d) row_[d] = ToFloat(x[d]);
       std::memcpy(k_.data(), row_.data(), k_.size() * sizeof(Lanes));
+      return k_.data();
     }
   }
+
 
   const Problem& pb_;
   std::vector<int32_t> pos_, lo_;
@@ -243,16 +252,48 @@ class TileRunner {
   std::vector<float> scores_, row_, denom_;
 };
 
-template <typename T>
-void RunTiles(const Problem& pb, const std::vector<Tile>& tiles, size_t begin, size_t end) {
-  TileRunner<T> runner(pb);
-  for (size_t i = begin; i < end; ++i) runner.Run(tiles[i]);
+// One call's tiles, shared by the threads of XLA's intra-op pool that work on them. Held by
+// a shared_ptr: a helper that starts after the last tile was taken still finds it alive.
+struct Work {
+  Problem pb;
+  std::vector<Tile> tiles;
+  bool bits = false;
+  std::atomic<size_t> next{0};  // the next tile to take
+  std::mutex mu;
+  std::condition_variable all_done;
+  size_t done = 0;  // tiles finished, under mu
+};
+
+// Runs tiles until none is left. Which thread runs a tile never changes its result.
+template <typename T, int C>
+void DrainOf(Work& work) {
+  TileRunner<T, C> runner(work.pb);
+  size_t finished = 0;
+  for (size_t i; (i = work.next.fetch_add(1)) < work.tiles.size(); ++finished) runner.Run(work.tiles[i]);
+  if (finished > 0) {
+    std::lock_guard<std::mutex> lock(work.mu);
+    work.done += finished;
+    if (work.done == work.tiles.size()) work.all_done.notify_all();
+  }
 }
 
-ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> layer,
+template <typename T>
+void DrainAs(Work& work) {
+  switch (work.pb.head_dim) {
+    case 16: return DrainOf<T, 1>(work);
+    case 32: return DrainOf<T, 2>(work);
+    case 64: return DrainOf<T, 4>(work);
+    case 128: return DrainOf<T, 8>(work);
+    default: return DrainOf<T, 0>(work);
+  }
+}
+
+void Drain(Work& work) { work.bits ? DrainAs<uint16_t>(work) : DrainAs<float>(work); }
+
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> layer,
                   ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
                   ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> window, float sm_scale,
-                  int64_t num_threads, ffi::ResultBuffer<ffi::F32> out) {
+                  ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions();
   auto kd = kv_cache.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || page_table.dimensions().size() != 2) {
@@ -262,7 +303,9 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache, ffi::Buffer<
   if (!bits && kv_cache.element_type() != ffi::DataType::F32) {
     return ffi::Error::InvalidArgument("kv_cache must be float32 or uint16 (bfloat16 bits)");
   }
-  Problem pb;
+  auto work = std::make_shared<Work>();
+  work->bits = bits;
+  Problem& pb = work->pb;
   pb.q = q.typed_data();
   pb.kv = kv_cache.untyped_data();
   pb.num_tokens = qd[0];
@@ -289,7 +332,7 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache, ffi::Buffer<
   std::fill(pb.out, pb.out + pb.num_tokens * pb.num_heads * pb.head_dim, 0.0f);
   const int32_t group = static_cast<int32_t>(pb.num_heads / pb.num_kv_heads);
   const int32_t tokens_per_tile = std::max<int32_t>(1, kRows / group);
-  std::vector<Tile> tiles;
+  std::vector<Tile>& tiles = work->tiles;
   for (int32_t s = 0; s < num_seqs; ++s) {
     const int32_t q_len = pb.query_start_loc[s + 1] - pb.query_start_loc[s];
     if (q_len <= 0) continue;
@@ -299,21 +342,12 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache, ffi::Buffer<
       }
     }
   }
-  // Threads take contiguous runs of tiles; which thread runs a tile never changes its result.
-  const size_t workers = std::max<size_t>(1, std::min<size_t>(num_threads, tiles.size()));
-  auto run = [&](size_t begin, size_t end) {
-    if (bits) {
-      RunTiles<uint16_t>(pb, tiles, begin, end);
-    } else {
-      RunTiles<float>(pb, tiles, begin, end);
-    }
-  };
-  std::vector<std::thread> threads;
-  for (size_t w = 1; w < workers; ++w) {
-    threads.emplace_back(run, tiles.size() * w / workers, tiles.size() * (w + 1) / workers);
-  }
-  run(0, tiles.size() / workers);
-  for (auto& th : threads) th.join();
+  // This thread and up to all of XLA's intra-op threads take tiles until none is left.
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(tiles.size()) - 1);
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { Drain(*work); });
+  Drain(*work);
+  std::unique_lock<std::mutex> lock(work->mu);
+  work->all_done.wait(lock, [&] { return work->done == work->tiles.size(); });
   return ffi::Error::Success();
 }
 
@@ -321,6 +355,7 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache, ffi::Buffer<
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attend,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
                                   .Arg<ffi::AnyBuffer>()          // kv_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
@@ -329,5 +364,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attend,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
                                   .Arg<ffi::Buffer<ffi::S32>>()   // sliding window
                                   .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("num_threads")
                                   .Ret<ffi::Buffer<ffi::F32>>());
