@@ -27,6 +27,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 from pallas_kernels.ragged_paged_attention.common import DEFAULT_BLOCK_SIZES, BlockSizes, check_attention_inputs
@@ -62,22 +63,40 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def _build() -> tuple[bool, str]:
-    """Compiles (or finds the cached) kernel library and registers it with XLA.
-    Returns (ok, error message)."""
+    """Compiles (or finds the cached) kernel library and registers it with XLA, once per
+    process. Returns (ok, why not)."""
+    try:
+        ok, error = _compile_and_register()
+    except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, unloadable library...
+        ok, error = False, f"{type(e).__name__}: {e}"
+    if not ok:
+        log.warning("CPU attention kernel unavailable (attention_backend auto uses the reference): %s", error)
+    return ok, error
+
+
+def _compile_and_register() -> tuple[bool, str]:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if compiler is None:
         return False, "no C++ compiler found (set $CXX or install g++)"
-    include = jax.ffi.include_dir()
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join([compiler, *FLAGS]).encode(), jax.__version__.encode()):
-        key.update(part)
-    key.update(_cpu_flags().encode())
+    for part in (SOURCE.read_bytes(), " ".join([compiler, *FLAGS]), jaxlib.__version__, _cpu_flags()):
+        key.update(part if isinstance(part, bytes) else part.encode())
     library = _cache_dir() / f"ragged_paged_attention_{key.hexdigest()[:16]}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
             out = pathlib.Path(tmp) / library.name
-            cmd = [compiler, *FLAGS, "-shared", "-fPIC", f"-I{include}", str(SOURCE), "-o", str(out), "-pthread"]
+            cmd = [
+                compiler,
+                *FLAGS,
+                "-shared",
+                "-fPIC",
+                f"-I{jax.ffi.include_dir()}",
+                str(SOURCE),
+                "-o",
+                str(out),
+                "-pthread",
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 return False, f"compiling {SOURCE.name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}"
@@ -89,10 +108,7 @@ def _build() -> tuple[bool, str]:
 
 def available() -> bool:
     """Whether the kernel is built and registered (builds it on first call)."""
-    ok, error = _build()
-    if not ok:
-        log.warning("CPU attention kernel unavailable, using the pure-JAX reference: %s", error)
-    return ok
+    return _build()[0]
 
 
 def build_error() -> str:
