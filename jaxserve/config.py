@@ -21,13 +21,13 @@ class EngineConfig:
 
     model: str = "smollm2-135m-instruct"
     dtype: str | None = None  # float32 on CPU, bfloat16 on accelerators
-    # Storage + matmul dtype of the embedding and linear layers (default: dtype); norms,
-    # residuals and attention keep dtype. Experimental on CPU: a lone bfloat16 matmul is
-    # 2x float32 on AMX machines, but under the stacked-layer scan XLA:CPU currently
-    # runs the whole model slower (see the README's Performance section).
+    # Storage + matmul dtype of the decoder layers' linear weights (default: dtype); the
+    # embedding, LM head, norms, residuals and attention math keep dtype. On CPUs with
+    # bfloat16 units (AMX, AVX512-BF16), bfloat16 under float32 activations runs the
+    # layers' matmuls ~2.5x faster (README, Performance).
     weight_dtype: str | None = None
     # Storage dtype of the KV cache (default: dtype). bfloat16 under float32 activations
-    # halves the cache's bytes and, on CPU, the attention time (attention reads float32).
+    # halves the bytes attention reads; attention widens them to float32.
     kv_cache_dtype: str | None = None
     page_size: int = 16
     num_pages: int | None = None  # derived from kv_cache_memory_gb when unset

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention import BlockSizes, gpu, reference, tpu
+from pallas_kernels.ragged_paged_attention import BlockSizes, cpu, gpu, reference, tpu
 
 # Peak HBM bandwidth (bytes/s) by device_kind substring, from vendor data sheets.
 PEAK_BANDWIDTH = {
@@ -38,7 +38,7 @@ PEAK_BANDWIDTH = {
     "TPU v4": 1.2e12,
     "TPU v6": 1.64e12,
 }
-MODULES = {"reference": reference, "pallas_tpu": tpu, "pallas_gpu": gpu}
+MODULES = {"reference": reference, "pallas_tpu": tpu, "pallas_gpu": gpu, "cpu": cpu}
 
 
 def peak_bandwidth(kind: str) -> float | None:
@@ -91,9 +91,9 @@ def time_fn(fn, *args, iters: int) -> float:
 
 def main() -> None:
     platform = jax.default_backend()
-    default = {"tpu": "reference,pallas_tpu", "gpu": "reference,pallas_gpu"}.get(platform, "reference")
+    default = {"tpu": "reference,pallas_tpu", "gpu": "reference,pallas_gpu"}.get(platform, "reference,cpu")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backends", default=default, help="comma-separated: reference, pallas_tpu, pallas_gpu")
+    ap.add_argument("--backends", default=default, help="comma-separated: reference, pallas_tpu, pallas_gpu, cpu")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--num-decodes", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=512)
@@ -133,7 +133,7 @@ def main() -> None:
                         mod.get_kv_cache_shape,
                     )
                     sizes = BlockSizes(block_q=16, block_pages=max(1, 128 // page_size))
-                    kw = {} if backend == "reference" else {"interpret": args.interpret}
+                    kw = {"interpret": args.interpret} if backend.startswith("pallas") else {}
                     attend = jax.jit(
                         lambda q, c, kl, pt, qsl, mod=mod, kw=kw, sizes=sizes: (
                             mod.ref_ragged_paged_attention if mod is reference else mod.ragged_paged_attention

@@ -345,3 +345,17 @@ def test_cpu_kernel_rejects_bad_inputs_by_name():
         cpu.ragged_paged_attention(c.q[:, :3], c.kv_cache, 1, *args, sm_scale=1.0)
     with pytest.raises(ValueError, match="must equal the cache's head_dim"):
         cpu.ragged_paged_attention(c.q[:, :, :32], c.kv_cache, 1, *args, sm_scale=1.0)
+    # Metadata pointing outside the cache is an error, never an out-of-bounds read.
+    bad_pages = np.where(c.page_table > 0, 10_000, 0).astype(np.int32)
+    with pytest.raises(Exception, match="is not a page of the cache"):
+        np.asarray(
+            cpu.ragged_paged_attention(c.q, c.kv_cache, 1, c.kv_lens, bad_pages, c.query_start_loc, sm_scale=1.0)
+        )
+    with pytest.raises(Exception, match="q_len <= kv_len <= pages_per_seq"):
+        np.asarray(
+            cpu.ragged_paged_attention(
+                c.q, c.kv_cache, 1, c.kv_lens * 100, c.page_table, c.query_start_loc, sm_scale=1.0
+            )
+        )
+    with pytest.raises(Exception, match="layer 7 is not a layer"):
+        np.asarray(cpu.ragged_paged_attention(c.q, c.kv_cache, 7, *args, sm_scale=1.0))

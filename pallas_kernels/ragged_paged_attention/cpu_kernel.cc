@@ -23,10 +23,11 @@
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
-#include <memory>
-#include <mutex>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -319,6 +320,9 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
     return ffi::Error::InvalidArgument("q's heads / head_dim do not match kv_cache");
   }
   pb.layer = layer.typed_data()[0];
+  if (pb.layer < 0 || pb.layer >= pb.num_layers) {
+    return ffi::Error::InvalidArgument("layer " + std::to_string(pb.layer) + " is not a layer of the cache");
+  }
   pb.window = window.typed_data()[0];
   pb.kv_lens = kv_lens.typed_data();
   pb.page_table = page_table.typed_data();
@@ -327,6 +331,28 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   pb.sm_scale = sm_scale;
   pb.out = out->typed_data();
   const int64_t num_seqs = kv_lens.dimensions()[0];
+
+  // Bad metadata must not read outside the buffers: check every sequence's bounds and the
+  // pages it will read (a few hundred integers; the reference would clamp silently).
+  if (pb.query_start_loc[0] < 0 || pb.query_start_loc[num_seqs] > pb.num_tokens) {
+    return ffi::Error::InvalidArgument("query_start_loc must lie within [0, num_tokens]");
+  }
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int32_t q_len = pb.query_start_loc[s + 1] - pb.query_start_loc[s];
+    const int32_t kv_len = pb.kv_lens[s];
+    if (q_len < 0 || (q_len > 0 && (kv_len < q_len || kv_len > pb.pages_per_seq * pb.page_size))) {
+      return ffi::Error::InvalidArgument(
+          "sequence " + std::to_string(s) + ": need 0 <= q_len <= kv_len <= pages_per_seq * page_size, got q_len " +
+          std::to_string(q_len) + ", kv_len " + std::to_string(kv_len));
+    }
+    for (int64_t i = 0; q_len > 0 && i < (kv_len + pb.page_size - 1) / pb.page_size; ++i) {
+      const int32_t page = pb.page_table[s * pb.pages_per_seq + i];
+      if (page < 0 || page >= pb.num_pages) {
+        return ffi::Error::InvalidArgument("page_table[" + std::to_string(s) + ", " + std::to_string(i) + "] = " +
+                                           std::to_string(page) + " is not a page of the cache");
+      }
+    }
+  }
 
   // Padding tokens (past the last sequence) come out zero.
   std::fill(pb.out, pb.out + pb.num_tokens * pb.num_heads * pb.head_dim, 0.0f);

@@ -1,4 +1,5 @@
-"""Pure-JAX ragged paged attention: the CPU path and the oracle for the Pallas kernels.
+"""Pure-JAX ragged paged attention: the oracle for the Pallas and C++ kernels, and the
+fallback on any platform.
 
 KV cache layout (one array for all layers), head-major so that gathering a block of
 pages for one head is a contiguous copy with no transpose::
