@@ -4,6 +4,7 @@ Prints what it measured and the command line that reproduces it. Not a test: tim
 shared machines are noisy.
 
     python scripts/bench_single_stream.py [--model smollm2-135m-instruct] [--prompt-len 512] [--new-tokens 64]
+        [--weight-dtype bfloat16 --kv-cache-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--weight-dtype", default=None)
+    ap.add_argument("--kv-cache-dtype", default=None)
     args = ap.parse_args()
 
-    opts = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": 1}
-    if args.dtype:
-        opts["dtype"] = args.dtype
+    # No prefix caching: every run below repeats the prompt, and must compute it.
+    opts = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": 1, "enable_prefix_caching": False}
+    for key in ("dtype", "weight_dtype", "kv_cache_dtype"):
+        if getattr(args, key):
+            opts[key] = getattr(args, key)
     llm = LLM(args.model, progress=False, **opts)
     prompt = [int(i) % 1000 + 100 for i in range(args.prompt_len)]
     greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
