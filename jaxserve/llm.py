@@ -27,6 +27,7 @@ from jaxserve.parallel import MeshConfig, check_divisible, make_mesh
 from jaxserve.parallel.multihost import DistributedConfig, initialize
 from jaxserve.runner.model_runner import ModelRunner, RunnerConfig
 from jaxserve.sampling_params import SamplingParams
+from pallas_kernels.ragged_paged_attention import cpu as cpu_attention
 
 ChatMessages = list[dict[str, str]]
 Prompt = str | list[int] | ChatMessages
@@ -98,6 +99,14 @@ class LLM:
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        kv_dtype = cfg.kv_cache_dtype or dtype
+        if backend.name == "cpu" and kv_dtype not in cpu_attention.KV_DTYPES:
+            if cfg.attention_backend != "auto":
+                raise ConfigError(
+                    f"kv_cache_dtype = {kv_dtype!r}: attention_backend 'cpu' holds one of "
+                    f"{', '.join(cpu_attention.KV_DTYPES)}; use attention_backend: reference for {kv_dtype}"
+                )
+            backend = AttentionBackend.resolve("reference", page_size=cfg.page_size, mesh=self.mesh)
         self.attention_backend = backend
         num_pages = cfg.num_pages
         if num_pages is None:  # kv_cache_memory_gb is per device; a device holds 1/model of a page

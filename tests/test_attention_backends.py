@@ -86,3 +86,15 @@ def test_pallas_backend_without_interpret_on_cpu_is_a_config_error(tiny_model_di
     path, _ = tiny_model_dir("llama")
     with pytest.raises(ConfigError, match="'pallas_gpu' needs a GPU"):
         _llm(path, "pallas_gpu", attention_interpret=False)
+
+
+def test_cpu_backend_and_a_float16_cache(tiny_model_dir):
+    """The C++ kernel reads float32 or bfloat16: auto then takes the reference; asking for
+    'cpu' is a config error naming kv_cache_dtype."""
+    if not cpu.available():
+        pytest.skip(f"the CPU kernel cannot be built here: {cpu.build_error()}")
+    path, _ = tiny_model_dir("llama")
+    assert _llm(path, "auto", kv_cache_dtype="float16").attention_backend.name == "reference"
+    assert _llm(path, "auto", kv_cache_dtype="bfloat16").attention_backend.name == "cpu"
+    with pytest.raises(ConfigError, match="kv_cache_dtype = 'float16': attention_backend 'cpu' holds one of"):
+        _llm(path, "cpu", kv_cache_dtype="float16")

@@ -7,7 +7,7 @@ token's K/V through ``slot_mapping`` and attends over ``page_table`` / ``kv_lens
 Backends (``attention_backend``):
 
 - ``reference``: pure JAX (``pallas_kernels/ragged_paged_attention/reference.py``); the
-  CPU path and the oracle.
+  oracle, and the fallback anywhere.
 - ``pallas_tpu``: Pallas Mosaic kernels (``.../tpu.py``).
 - ``pallas_gpu``: Pallas Triton kernels (``.../gpu.py``).
 - ``cpu``: a C++ kernel through XLA's FFI (``.../cpu.py``), compiled on first use.

@@ -33,10 +33,19 @@ import numpy as np
 from pallas_kernels.ragged_paged_attention.common import DEFAULT_BLOCK_SIZES, BlockSizes, check_attention_inputs
 from pallas_kernels.ragged_paged_attention.reference import get_kv_cache_shape, ref_write_kv, storage_dtype
 
-__all__ = ["available", "build_error", "get_kv_cache_shape", "ragged_paged_attention", "storage_dtype", "write_kv"]
+__all__ = [
+    "KV_DTYPES",
+    "available",
+    "build_error",
+    "get_kv_cache_shape",
+    "ragged_paged_attention",
+    "storage_dtype",
+    "write_kv",
+]
 
 log = logging.getLogger(__name__)
 
+KV_DTYPES = ("float32", "bfloat16")  # the cache dtypes the kernel reads (bfloat16 as bits)
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
 TARGET = "jaxserve_ragged_paged_attention"
 # -ffp-contract=off: no fused multiply-adds, so a vectorized loop and its scalar
