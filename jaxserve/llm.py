@@ -110,7 +110,7 @@ class LLM:
         self.attention_backend = backend
         num_pages = cfg.num_pages
         if num_pages is None:  # kv_cache_memory_gb is per device; a device holds 1/model of a page
-            itemsize = 4 if (cfg.kv_cache_dtype or dtype) == "float32" else 2
+            itemsize = 4 if kv_dtype == "float32" else 2
             per_page = backend.kv_bytes_per_page(mcfg.num_layers, cfg.page_size, kv_heads, mcfg.head_dim, itemsize)
             per_page //= mesh_cfg.model
             num_pages = max(int(cfg.kv_cache_memory_gb * 2**30 // per_page), 2)

@@ -155,8 +155,10 @@ class TileRunner {
     const int32_t jhi = pos_[rows - 1] + 1;  // one past its highest
     const int64_t width = jhi - jlo;
     scores_.resize(static_cast<size_t>(rows) * width);
-    k_.resize(chunks);
-    row_.assign(chunks * kLanes, 0.0f);
+    if constexpr (C == 0) {  // LoadRow's zero-padded buffers
+      k_.resize(chunks);
+      row_.assign(chunks * kLanes, 0.0f);
+    }
 
     // Start fetching every K and V page the tile reads: the pages are scattered, and
     // many misses in flight beat one demand miss after another.
@@ -249,7 +251,7 @@ class TileRunner {
 
   const Problem& pb_;
   std::vector<int32_t> pos_, lo_;
-  std::vector<Lanes> qs_, k_, acc_;  // [rows, chunks], [chunks], [rows, chunks]
+  std::vector<Lanes> qs_, k_, acc_;  // [rows, chunks], [chunks] (C == 0 only), [rows, chunks]
   std::vector<float> scores_, row_, denom_;
 };
 
