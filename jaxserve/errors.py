@@ -17,3 +17,7 @@ class ConfigError(JaxServeError):
 
 class RequestError(JaxServeError):
     """A request (prompt or sampling parameters) that cannot be served."""
+
+
+class EngineError(JaxServeError):
+    """The engine failed while running a request (a failed step, a failed warm-up)."""

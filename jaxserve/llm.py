@@ -7,27 +7,26 @@ through the same engine, KV pages and jitted step the server uses.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 
-from jaxserve.attention import AttentionBackend
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.page_pool import PagePool
 from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.errors import ConfigError, RequestError
+from jaxserve.errors import ConfigError, EngineError, RequestError
 from jaxserve.models.checkpoint import open_checkpoint
 from jaxserve.models.fetch import resolve_model
-from jaxserve.models.loading import default_dtype, load_model
-from jaxserve.parallel import MeshConfig, check_divisible, make_mesh
+from jaxserve.models.loading import load_model
 from jaxserve.parallel.multihost import DistributedConfig, initialize
-from jaxserve.runner.model_runner import ModelRunner, RunnerConfig
+from jaxserve.plan import resolve_plan
+from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
-from pallas_kernels.ragged_paged_attention import cpu as cpu_attention
 
 ChatMessages = list[dict[str, str]]
 Prompt = str | list[int] | ChatMessages
@@ -44,6 +43,11 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     logprobs: list[float] | None = None  # of each generated token (when params.logprobs is set)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def _raise_if_failed(delta) -> None:
+    if delta.error is not None:
+        raise EngineError(delta.error)
 
 
 def _output(r: Request) -> RequestOutput:
@@ -83,54 +87,14 @@ class LLM:
         ckpt = open_checkpoint(resolve_model(cfg.model, cfg.cache_dir))
         self.model_config = mcfg = ckpt.config
         self.tokenizer = ckpt.tokenizer()
-        self.dtype = dtype = cfg.dtype or default_dtype()
-        self.max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, 8192)
-        if self.max_model_len > mcfg.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len = {self.max_model_len}: must be <= the model's "
-                f"max_position_embeddings ({mcfg.max_position_embeddings})"
-            )
-        mesh_cfg = MeshConfig.from_option(cfg.mesh)
-        try:
-            self.mesh = make_mesh(mesh_cfg) if mesh_cfg.size > 1 else None
-            kv_heads = check_divisible(mcfg.num_heads, mcfg.num_kv_heads, mcfg.intermediate_size, mesh_cfg.model)
-            backend = AttentionBackend.resolve(
-                cfg.attention_backend, page_size=cfg.page_size, interpret=cfg.attention_interpret, mesh=self.mesh
-            )
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        kv_dtype = cfg.kv_cache_dtype or dtype
-        if backend.name == "cpu" and kv_dtype not in cpu_attention.KV_DTYPES:
-            if cfg.attention_backend != "auto":
-                raise ConfigError(
-                    f"kv_cache_dtype = {kv_dtype!r}: attention_backend 'cpu' holds one of "
-                    f"{', '.join(cpu_attention.KV_DTYPES)}; use attention_backend: reference for {kv_dtype}"
-                )
-            backend = AttentionBackend.resolve("reference", page_size=cfg.page_size, mesh=self.mesh)
-        self.attention_backend = backend
-        num_pages = cfg.num_pages
-        if num_pages is None:  # kv_cache_memory_gb is per device; a device holds 1/model of a page
-            itemsize = 4 if kv_dtype == "float32" else 2
-            per_page = backend.kv_bytes_per_page(mcfg.num_layers, cfg.page_size, kv_heads, mcfg.head_dim, itemsize)
-            per_page //= mesh_cfg.model
-            num_pages = max(int(cfg.kv_cache_memory_gb * 2**30 // per_page), 2)
-        self.pool = PagePool(num_pages, cfg.page_size)
-        if self.pool.num_usable < self.pool.pages_needed(self.max_model_len):
-            self.max_model_len = self.pool.num_usable * cfg.page_size
-        model = load_model(ckpt, dtype, progress=progress, mesh=self.mesh, weight_dtype=cfg.weight_dtype)
-        self.runner = ModelRunner(
-            model,
-            RunnerConfig(
-                page_size=cfg.page_size,
-                num_pages=num_pages,
-                max_model_len=self.max_model_len,
-                max_num_batched_tokens=cfg.max_num_batched_tokens,
-                max_num_seqs=cfg.max_num_seqs,
-                min_token_bucket=cfg.min_token_bucket or min(64, cfg.max_num_batched_tokens),
-                attention_backend=backend,
-                kv_cache_dtype=cfg.kv_cache_dtype,
-            ),
-        )
+        self.plan = plan = resolve_plan(cfg, mcfg)
+        self.dtype = plan.dtype
+        self.max_model_len = plan.max_model_len
+        self.mesh = plan.mesh
+        self.attention_backend = plan.backend
+        self.pool = PagePool(plan.num_pages, cfg.page_size)
+        model = load_model(ckpt, plan.dtype, progress=progress, mesh=plan.mesh, weight_dtype=plan.weight_dtype)
+        self.runner = ModelRunner(model, plan.runner)
         self.eos_token_ids = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -188,34 +152,84 @@ class LLM:
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None
     ) -> list[RequestOutput]:
-        """Generates a completion for each prompt with continuous batching; outputs in prompt order."""
+        """Generates a completion for each prompt with continuous batching; outputs in prompt order.
+
+        On an LLM that is being served, the requests go through the server's engine thread
+        (the one thread that steps the engine) and are batched with the server's traffic.
+        """
         params = sampling_params or SamplingParams()
         encoded = [self.encode(p) for p in self._as_list(prompts)]
         for ids in encoded:
             self._check_length(ids)
-        requests = [self.engine.add_request(ids, params) for ids in encoded]
-        try:
-            while self.engine.has_unfinished():
-                self.engine.step()
-        finally:
-            for r in requests:
-                self.engine.abort(r.request_id)  # no-op for finished ones; frees pages on error
+        handoff = self.engine.handoff
+        if handoff is not None:
+            return [_output(s.request) for s in self._run_served(handoff, encoded, params)]
+        with self.engine.owned_by_current_thread("an offline LLM.generate call"):
+            requests = [self.engine.add_request(ids, params) for ids in encoded]
+            try:
+                while self.engine.has_unfinished():
+                    self.engine.step()
+            finally:
+                for r in requests:
+                    self.engine.abort(r.request_id)  # no-op for finished ones; frees pages on error
         return [_output(r) for r in requests]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields text deltas of one completion as tokens are generated."""
         ids = self.encode(prompt)
         self._check_length(ids)
-        request = self.engine.add_request(ids, sampling_params or SamplingParams())
-        sent = 0
+        params = sampling_params or SamplingParams()
+        handoff = self.engine.handoff
+        if handoff is not None:
+            yield from (d.text for d in self._served_deltas(handoff, ids, params) if d.text)
+            return
+        with self.engine.owned_by_current_thread("an offline LLM.stream call"):
+            request = self.engine.add_request(ids, params)
+            sent = 0
+            try:
+                while not request.status.is_finished:
+                    self.engine.step()
+                    if len(request.output_text) > sent:
+                        yield request.output_text[sent:]
+                        sent = len(request.output_text)
+            finally:
+                self.engine.abort(request.request_id)
+
+    # -- through a serving engine thread -------------------------------------------------
+    def _run_served(self, handoff, encoded: list[list[int]], params: SamplingParams) -> list:
+        """Submits every prompt to the engine thread, waits for all; returns the submissions."""
+        subs = [
+            handoff.submit_threadsafe(f"offline-{uuid.uuid4().hex}", ids, params, enforce_limit=False)
+            for ids in encoded
+        ]
+        done = 0
         try:
-            while not request.status.is_finished:
-                self.engine.step()
-                if len(request.output_text) > sent:
-                    yield request.output_text[sent:]
-                    sent = len(request.output_text)
+            for sub in subs:
+                while (delta := sub.deltas.get()).finish_reason is None:
+                    pass
+                _raise_if_failed(delta)
+                done += 1
         finally:
-            self.engine.abort(request.request_id)
+            for sub in subs[done:]:  # interrupted or failed: free the rest
+                if sub.request is not None:
+                    handoff.abort(sub.request.request_id)
+        return subs
+
+    def _served_deltas(self, handoff, ids: list[int], params: SamplingParams) -> Iterator:
+        request_id = f"offline-{uuid.uuid4().hex}"
+        sub = handoff.submit_threadsafe(request_id, ids, params, enforce_limit=False)
+        finished = False
+        try:
+            while True:
+                delta = sub.deltas.get()
+                _raise_if_failed(delta)
+                yield delta
+                if delta.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                handoff.abort(request_id)
 
     def stats(self) -> dict[str, int]:
         """Counters: steps, prefill_tokens_computed, decode_tokens, num_preemptions, num_compiles, pages_*."""

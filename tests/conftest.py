@@ -6,6 +6,9 @@ import contextlib
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests run on the CPU. libtpu (compile-only TPU checks) and the jax CUDA plugin (compile-
+# only GPU checks) would otherwise each probe for their hardware at start-up, noisily.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 import pytest
@@ -134,18 +137,25 @@ def rng_tokens(n: int, vocab: int, seed: int) -> list[int]:
 
 
 @contextlib.contextmanager
+def serve_llm(llm, config):
+    """A real gRPC server over ``llm`` on a free loopback port: (server, address)."""
+    from jaxserve.server.server import Server, ServerHandle
+
+    handle = ServerHandle(Server(llm, config, "tiny", progress=False))
+    try:
+        yield handle.server, f"127.0.0.1:{handle.start()}"
+    finally:
+        handle.stop()
+
+
+@contextlib.contextmanager
 def tiny_server(path, server_config=None, **llm_options):
     """A real gRPC server over a tiny model on a free loopback port: (llm, server, address)."""
     from jaxserve import LLM
     from jaxserve.server.config import ServerConfig
-    from jaxserve.server.server import Server, ServerHandle
 
     options = dict(dtype="float32", page_size=16, num_pages=400, max_num_seqs=8, max_num_batched_tokens=64)
     options.update(llm_options)
     llm = LLM(str(path), progress=False, **options)
-    config = server_config or ServerConfig(port=0, metrics_port=None, warmup=False)
-    handle = ServerHandle(Server(llm, config, "tiny", progress=False))
-    try:
-        yield llm, handle.server, f"127.0.0.1:{handle.start()}"
-    finally:
-        handle.stop()
+    with serve_llm(llm, server_config or ServerConfig(port=0, metrics_port=None, warmup=False)) as (server, addr):
+        yield llm, server, addr

@@ -1,15 +1,19 @@
 """The engine on its own thread, with thread-safe hand-off to asyncio callers.
 
-One thread owns the Engine (and the device). Callers on an asyncio loop ``submit`` a
-request and read :class:`Delta` objects from an ``asyncio.Queue``; ``abort`` ends a
-request at the next step boundary and releases its pages. Commands travel over a plain
-``queue.Queue``; deltas travel back with ``loop.call_soon_threadsafe``.
+One thread owns the Engine (and the device): ``start`` claims the engine for it, so no
+other thread can step it while it serves (``LLM.generate`` on a served engine routes its
+requests here), and warm-up runs on that same thread. Callers on an asyncio loop
+``submit`` a request and read :class:`Delta` objects from an ``asyncio.Queue``; plain
+threads ``submit_threadsafe`` and read a ``queue.Queue``. ``abort`` ends a request at the
+next step boundary and releases its pages. Commands travel over a plain ``queue.Queue``;
+deltas travel back with ``loop.call_soon_threadsafe`` (or ``queue.put``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -46,9 +50,15 @@ class Delta:
 
 
 @dataclasses.dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+class Submission:
+    """One submitted request: where its deltas go and, once the engine has it, the Request.
+
+    ``request`` is set on the engine thread before the first delta is pushed, so a reader
+    that has received the final delta may read it (the engine no longer touches it).
+    """
+
+    push: Callable[[Delta], None]
+    deltas: asyncio.Queue | queue.Queue
     request: Request | None = None
     sent_tokens: int = 0
     sent_text: int = 0
@@ -62,7 +72,7 @@ class EngineThread:
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step  # called on the engine thread after each step (metrics)
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Submission] = {}
         self._pending = 0  # submitted but not yet handed to the engine
         # request_id -> engine steps between abort() and the abort taking effect (metrics, tests)
         self.abort_delay_steps: dict[str, int] = {}
@@ -70,14 +80,39 @@ class EngineThread:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._warmup: Callable[[], None] | None = None
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._closed = False
 
-    def start(self) -> None:
+    def claim(self) -> None:
+        """Makes the engine thread the engine's only driver (before it starts): from here on
+        other threads' offline calls queue here. Raises EngineBusyError if someone drives it."""
+        self.engine.claim(self._thread, "the server's engine thread", handoff=self)
+
+    def release(self) -> None:
+        """Gives back a claim whose thread never started (a server that failed to start)."""
+        if not self._thread.is_alive():
+            self._close("the server failed to start")
+
+    def start(self, warmup: Callable[[], None] | None = None) -> None:
+        """Starts the engine thread (claiming the engine if not yet done); ``warmup`` (e.g.
+        compiling every step bucket) runs first on that thread. Requests submitted meanwhile wait."""
+        self.claim()
+        self._warmup = warmup
         self._thread.start()
+
+    def wait_ready(self) -> None:
+        """Blocks until warm-up is done; re-raises its error."""
+        self._ready.wait()
+        if self._start_error is not None:
+            raise self._start_error
 
     def stop(self) -> None:
         self._stop.set()
         self._commands.put(("wake",))
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
 
     @property
     def num_waiting(self) -> int:
@@ -88,17 +123,36 @@ class EngineThread:
         return len(self._streams)
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
-        """Queues a request; returns the asyncio queue its deltas arrive on."""
+        """Queues a request from an asyncio loop; returns the asyncio queue its deltas arrive on."""
+        deltas: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        push = functools.partial(loop.call_soon_threadsafe, deltas.put_nowait)
+        self._submit(Submission(push, deltas, submitted_at=time.monotonic()), request_id, prompt_ids, params, True)
+        return deltas
+
+    def submit_threadsafe(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, enforce_limit: bool = True
+    ) -> Submission:
+        """Queues a request from a plain thread; its deltas arrive on ``.deltas`` (a queue.Queue).
+        ``enforce_limit=False``: the caller is a local offline batch, not a client to refuse."""
+        deltas: queue.Queue = queue.Queue()
+        submission = Submission(deltas.put, deltas, submitted_at=time.monotonic())
+        self._submit(submission, request_id, prompt_ids, params, enforce_limit)
+        return submission
+
+    def _submit(
+        self, stream: Submission, request_id: str, prompt_ids: list[int], params: SamplingParams, enforce_limit: bool
+    ) -> None:
         with self._lock:
-            if self.num_waiting >= self.max_waiting_requests:
+            if self._closed:
+                raise JaxServeError("the engine thread has stopped; it takes no more requests")
+            if enforce_limit and self.num_waiting >= self.max_waiting_requests:
                 raise QueueFullError(f"{self.num_waiting} requests are waiting (max_waiting_requests); retry later")
             if request_id in self._streams:
                 raise JaxServeError(f"request_id {request_id!r} is already in use")
-            stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), submitted_at=time.monotonic())
             self._streams[request_id] = stream
             self._pending += 1
         self._commands.put(("add", request_id, prompt_ids, params))
-        return stream.queue
 
     def abort(self, request_id: str) -> bool:
         """Ends a request at the next step boundary; False if it is not running."""
@@ -109,10 +163,10 @@ class EngineThread:
         return known
 
     # -- engine thread ---------------------------------------------------------------------
-    def _push(self, stream: _Stream, delta: Delta) -> None:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+    def _push(self, stream: Submission, delta: Delta) -> None:
+        stream.push(delta)
 
-    def _delta(self, request_id: str, stream: _Stream) -> Delta:
+    def _delta(self, request_id: str, stream: Submission) -> Delta:
         r = stream.request
         tokens = r.output_token_ids[stream.sent_tokens :]
         n0 = stream.sent_tokens
@@ -152,7 +206,7 @@ class EngineThread:
                     if len(self.abort_delay_steps) > 4096:  # keep the most recent only
                         del self.abort_delay_steps[next(iter(self.abort_delay_steps))]
 
-    def _finish(self, request_id: str, stream: _Stream) -> None:
+    def _finish(self, request_id: str, stream: Submission) -> None:
         self._push(stream, self._delta(request_id, stream))
         with self._lock:
             self._streams.pop(request_id, None)
@@ -172,6 +226,39 @@ class EngineThread:
                 self._streams.pop(request_id, None)
 
     def _run(self) -> None:
+        try:
+            if self._warmup is not None:
+                self._warmup()
+        except BaseException as e:  # noqa: BLE001 - reported to wait_ready's caller
+            self._start_error = e
+            self._close(f"warm-up failed: {type(e).__name__}: {e}")
+            return
+        finally:
+            self._ready.set()
+        try:
+            self._serve()
+        finally:
+            self._close()
+
+    def _close(self, error: str | None = None) -> None:
+        """Ends every request still here (finish_reason abort, or ``error``), refuses new
+        ones and gives the engine back, so offline calls may step it again."""
+        with self._lock:
+            self._closed = True
+            streams = list(self._streams.items())
+            self._streams.clear()
+        for request_id, stream in streams:
+            if stream.request is None:  # its add command never ran
+                delta = Delta(request_id, [], "", [], [], finish_reason="abort")
+                delta.error = error or "the engine thread stopped before this request started"
+            else:
+                self.engine.abort(request_id)
+                delta = self._delta(request_id, stream)
+                delta.error = error
+            self._push(stream, delta)
+        self.engine.release(self._thread)
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             block = not self.engine.has_unfinished()
             try:
@@ -203,8 +290,4 @@ class EngineThread:
                     self._finish(r.request_id, stream)
                 elif len(r.output_token_ids) > stream.sent_tokens:
                     self._push(stream, self._delta(r.request_id, stream))
-        # shutting down: whatever is left ends with finish_reason abort
-        for request_id, stream in list(self._streams.items()):
-            if stream.request is not None:
-                self.engine.abort(request_id)
-                self._finish(request_id, stream)
+        # shutting down: _close ends whatever is left with finish_reason abort

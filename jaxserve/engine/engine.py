@@ -1,6 +1,10 @@
 """The step loop: schedule -> run the jitted step -> apply tokens -> detokenize, stop.
 
-One thread owns this object (and the device); requests come and go between steps.
+One thread owns this object (and the device); requests come and go between steps. The
+owner is explicit: ``claim`` / ``owned_by_current_thread`` bind one thread, and while one
+is bound every other thread's ``step``, ``add_request`` and ``abort`` raise
+:class:`EngineBusyError` instead of racing it (two steppers would interleave scheduler
+updates and hand an already-donated KV cache to the device).
 Text is produced here, incrementally and UTF-8-safe, and stop strings are matched across
 token boundaries: text that could still become a stop string is held back until it
 cannot.
@@ -8,14 +12,19 @@ cannot.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import random
+import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.errors import JaxServeError
 from jaxserve.runner.batch import ScheduledSeq
 from jaxserve.runner.model_runner import ModelRunner, SeqSampling
 from jaxserve.sampling_params import SamplingParams
@@ -46,6 +55,10 @@ class _TextState:
         self.held = ""
 
 
+class EngineBusyError(JaxServeError):
+    """Another thread drives this engine; only its owner may step, add to or abort it."""
+
+
 class Engine:
     def __init__(
         self,
@@ -68,10 +81,56 @@ class Engine:
         # Cumulative seconds per phase of step(): scheduling (+ building the step's inputs
         # lists), the runner (see runner.timings: packing vs device), update + text.
         self.timings = {"schedule_s": 0.0, "update_s": 0.0, "step_s": 0.0}
+        self._owner_lock = threading.Lock()
+        self._owner: tuple[threading.Thread, str] | None = None
+        # The serving hand-off (an EngineThread) while one owns this engine: offline callers
+        # (LLM.generate) route their requests through it instead of stepping themselves.
+        self.handoff: Any = None
 
+    # -- ownership -------------------------------------------------------------------
+    def claim(self, thread: threading.Thread, who: str, handoff: Any = None) -> None:
+        """Makes ``thread`` the only one allowed to drive this engine until ``release``."""
+        with self._owner_lock:
+            if self._owner is not None and self._owner[0] is not thread:
+                raise EngineBusyError(
+                    f"the engine is driven by {self._owner[1]}; {who} cannot drive it at the same time "
+                    "(serve it and send requests through the server, or wait for that call to end)"
+                )
+            self._owner = (thread, who)
+            self.handoff = handoff
+
+    def release(self, thread: threading.Thread) -> None:
+        with self._owner_lock:
+            if self._owner is not None and self._owner[0] is thread:
+                self._owner = None
+                self.handoff = None
+
+    @contextlib.contextmanager
+    def owned_by_current_thread(self, who: str) -> Iterator[None]:
+        """Binds the calling thread for the block (re-entrant: an owner's nested call passes)."""
+        me = threading.current_thread()
+        if self._owner is not None and self._owner[0] is me:
+            yield
+            return
+        self.claim(me, who)
+        try:
+            yield
+        finally:
+            self.release(me)
+
+    def _check_owner(self, action: str) -> None:
+        owner = self._owner
+        if owner is not None and owner[0] is not threading.current_thread():
+            raise EngineBusyError(
+                f"engine.{action} called on thread {threading.current_thread().name!r}, but the engine "
+                f"is driven by {owner[1]}; hand requests to that owner instead"
+            )
+
+    # -- requests --------------------------------------------------------------------
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> Request:
+        self._check_owner("add_request")
         request_id = request_id or f"req-{next(self._ids)}"
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
@@ -82,6 +141,7 @@ class Engine:
         return request
 
     def abort(self, request_id: str) -> None:
+        self._check_owner("abort")
         request = self.requests.pop(request_id, None)
         self._text.pop(request_id, None)
         if request is not None:
@@ -122,6 +182,7 @@ class Engine:
 
     def step(self) -> tuple[list[Request], list[Request]]:
         """Runs one step; returns (requests that got a token, requests that finished)."""
+        self._check_owner("step")
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.errors import ModelLoadError
 from jaxserve.models.checkpoint import Checkpoint
+from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.parallel import MODEL, check_divisible, param_sharding, replicate_kv_heads
 
@@ -48,15 +49,10 @@ _GLOBAL_PARAMS = {
 # Stored in weight_dtype. The embedding and LM head keep the activation dtype: on XLA:CPU
 # a float32 LM head (x @ embed.T) is 2x faster than a bfloat16 one at decode batch sizes
 # (bits or not), and the lookup reads only a few rows.
-_MATMUL_PARAMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MATMUL_PARAMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KV_PARAMS = ("k_proj", "v_proj", "k_bias", "v_bias")  # last axis is [Hkv * head_dim]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-def default_dtype() -> str:
-    """float32 on CPU (2-7x faster than bfloat16 on XLA:CPU), bfloat16 on accelerators."""
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
 def _convert(w: np.ndarray, transpose: bool, shape: tuple[int, ...], dtype, name: str) -> np.ndarray:
@@ -68,6 +64,35 @@ def _convert(w: np.ndarray, transpose: bool, shape: tuple[int, ...], dtype, name
             f"tensor {name!r} has shape {w.shape[::-1] if transpose else w.shape}, expected {shape[::-1] if transpose else shape}"
         )
     return w.astype(dtype)
+
+
+def abstract_model(
+    cfg: ModelConfig, dtype: str = "float32", weight_dtype: str | None = None, model_axis: int = 1
+) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """The model's structure with abstract parameters (shapes and dtypes, no memory).
+
+    Returns the config as the cache holds it (KV heads replicated up to ``model_axis``)
+    and the abstract model. Matmul weights narrower than the activations are held as
+    16-bit patterns (``llama.weight``).
+
+    Raises:
+        ModelLoadError: a bad dtype, or a model the ``model`` axis does not divide.
+    """
+    weight_dtype = weight_dtype or dtype
+    for key, value in (("dtype", dtype), ("weight_dtype", weight_dtype)):
+        if value not in DTYPES:
+            raise ModelLoadError(f"{key} {value!r} is not one of: {', '.join(DTYPES)}")
+    try:
+        kv_heads = check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, model_axis)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    cfg = dataclasses.replace(cfg, num_kv_heads=kv_heads)
+    jdtype, wdtype = DTYPES[dtype], DTYPES[weight_dtype]
+    as_bits = jnp.dtype(wdtype) != jnp.dtype(jdtype) and jnp.dtype(wdtype).itemsize == 2
+    model = nnx.eval_shape(
+        lambda: LlamaForCausalLM(cfg, jdtype, rngs=nnx.Rngs(0), weight_dtype=weight_dtype if as_bits else None)
+    )
+    return cfg, model
 
 
 def load_model(
@@ -89,31 +114,15 @@ def load_model(
     Raises:
         ModelLoadError: a bad checkpoint, dtype, or a model the mesh does not divide.
     """
-    weight_dtype = weight_dtype or dtype
-    for key, value in (("dtype", dtype), ("weight_dtype", weight_dtype)):
-        if value not in DTYPES:
-            raise ModelLoadError(f"{key} {value!r} is not one of: {', '.join(DTYPES)}")
-    jdtype = DTYPES[dtype]
-    act_np = np.dtype(jdtype)
-    weight_np = np.dtype(DTYPES[weight_dtype])
-    cfg = ckpt.config
-    model_axis = mesh.shape[MODEL] if mesh is not None else 1
-    try:
-        kv_heads = check_divisible(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, model_axis)
-    except ValueError as e:
-        raise ModelLoadError(str(e)) from None
-    kv_factor = kv_heads // cfg.num_kv_heads
-    orig_kv_heads = cfg.num_kv_heads
-    cfg = dataclasses.replace(cfg, num_kv_heads=kv_heads)
-
-    # Matmul weights narrower than the activations travel as 16-bit patterns (llama.weight).
-    as_bits = weight_np != act_np and weight_np.itemsize == 2
-    abstract = nnx.eval_shape(
-        lambda: LlamaForCausalLM(cfg, jdtype, rngs=nnx.Rngs(0), weight_dtype=weight_dtype if as_bits else None)
-    )
+    cfg, abstract = abstract_model(ckpt.config, dtype, weight_dtype, mesh.shape[MODEL] if mesh is not None else 1)
+    kv_factor = cfg.num_kv_heads // ckpt.config.num_kv_heads
+    orig_kv_heads = ckpt.config.num_kv_heads
+    act_np = np.dtype(DTYPES[dtype])
+    weight_np = np.dtype(DTYPES[weight_dtype or dtype])
+    as_bits = abstract.weight_dtype is not None
 
     def put(name: str, w: np.ndarray) -> jax.Array:
-        if as_bits and name in _MATMUL_PARAMS:
+        if as_bits and name in MATMUL_PARAMS:
             w = w.view(np.uint16)
         if mesh is None:
             return jax.device_put(w)
@@ -133,7 +142,7 @@ def load_model(
         if ours == "lm_head" and hf_name not in names:
             raise ModelLoadError(f"{ckpt.path} has no {hf_name} but the config does not tie embeddings")
         shape = tuple(shapes[ours].shape)
-        np_dtype = weight_np if ours in _MATMUL_PARAMS else act_np
+        np_dtype = weight_np if ours in MATMUL_PARAMS else act_np
         params[ours] = put(ours, _convert(ckpt.read(hf_name), transpose, shape, np_dtype, hf_name))
         bar.update()
     for ours, (suffix, transpose) in _LAYER_PARAMS.items():
@@ -142,7 +151,7 @@ def load_model(
         shape = tuple(shapes["layers"][ours].shape)
         per_head_kv = ours in _KV_PARAMS and kv_factor > 1
         file_shape = (*shape[1:-1], shape[-1] // kv_factor) if per_head_kv else shape[1:]
-        np_dtype = weight_np if ours in _MATMUL_PARAMS else act_np
+        np_dtype = weight_np if ours in MATMUL_PARAMS else act_np
         stacked = np.empty(shape, np_dtype)
         for i in range(cfg.num_layers):
             hf_name = f"model.layers.{i}.{suffix}"

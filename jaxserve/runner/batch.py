@@ -17,13 +17,15 @@ SCRATCH_PAGE = 0
 
 
 def make_buckets(
-    max_num_batched_tokens: int, max_num_seqs: int, min_token_bucket: int = 64
+    max_num_batched_tokens: int, max_num_seqs: int, min_token_bucket: int = 64, min_seq_bucket: int = 2
 ) -> tuple[list[int], list[int]]:
-    """Token buckets (powers of two from ``min_token_bucket``, then the max) and sequence buckets.
+    """Token buckets (powers of two from ``min_token_bucket``, then the max) and sequence
+    buckets (likewise from ``min_seq_bucket``).
 
-    Sequence buckets start at 2: on XLA:CPU a one-row matmul (the LM head of a lone
-    request) rounds differently from 2..32 rows, which would make a request's logits
-    depend on whether it runs alone.
+    On CPU sequence buckets start at 2: a one-row matmul (the LM head of a lone request)
+    rounds differently from 2..32 rows on XLA:CPU, which would make a request's logits
+    depend on whether it runs alone. Accelerators start at 8 (a TPU sublane tile; a
+    handful of padding rows costs nothing there), which saves compiles.
     """
 
     def powers(lo: int, hi: int) -> list[int]:
@@ -34,7 +36,7 @@ def make_buckets(
         return out + [hi]
 
     return powers(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens), powers(
-        min(2, max_num_seqs), max_num_seqs
+        min(min_seq_bucket, max_num_seqs), max_num_seqs
     )
 
 

@@ -1,8 +1,10 @@
-"""Owns the device side: parameters, the KV cache and the one jitted step.
+"""Owns the device side: parameters, the KV cache and the jitted step.
 
-``step(state, kv_cache, attention_md, sampling_md) -> (kv_cache, tokens, logprobs)``:
-model forward over the flat ragged batch, KV write, sampling. The KV cache is donated,
-so XLA updates it in place.
+A step is two jitted programs dispatched back to back (the host waits for neither):
+``forward(state, kv_cache, attention_md) -> (kv_cache, logits)``, the model over the
+flat ragged batch with the KV write, compiled per (token bucket, sequence bucket); and
+``sample(logits, sampling_md) -> tokens, logprobs``, compiled per sequence bucket. The
+KV cache is donated, so XLA updates it in place.
 """
 
 from __future__ import annotations
@@ -34,12 +36,24 @@ class RunnerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     min_token_bucket: int = 64
+    min_seq_bucket: int = 2
     attention_backend: AttentionBackend = REFERENCE
     kv_cache_dtype: str | None = None  # None: the activation dtype
 
     @property
     def pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
+
+    @property
+    def buckets(self) -> tuple[list[int], list[int]]:
+        """(token buckets, sequence buckets): the shapes the step is compiled for."""
+        return make_buckets(self.max_num_batched_tokens, self.max_num_seqs, self.min_token_bucket, self.min_seq_bucket)
+
+    @property
+    def bucket_pairs(self) -> list[tuple[int, int]]:
+        """Every (token bucket, sequence bucket) a step can hit: warm-up compiles each."""
+        tokens, seqs = self.buckets
+        return [(t, s) for t in tokens for s in seqs if s <= t]
 
 
 def _seed32(seed: int) -> int:
@@ -59,6 +73,105 @@ class SeqSampling:
 
 def greedy(n: int) -> list[SeqSampling]:
     return [SeqSampling(SamplingParams(temperature=0.0), 0) for _ in range(n)]
+
+
+def attention_metadata(b: PackedBatch) -> AttentionMetadata:
+    return AttentionMetadata(
+        input_ids=b.input_ids,
+        positions=b.positions,
+        slot_mapping=b.slot_mapping,
+        query_start_loc=b.query_start_loc,
+        kv_lens=b.kv_lens,
+        page_table=b.page_table,
+        logits_indices=b.logits_indices,
+    )
+
+
+def sampling_metadata(
+    sampling: list[SeqSampling], s_pad: int, positions: np.ndarray, max_model_len: int
+) -> SamplingMetadata:
+    f32 = np.float32
+    arrays = {
+        "temperature": np.zeros(s_pad, f32),
+        "top_k": np.zeros(s_pad, np.int32),
+        "top_p": np.ones(s_pad, f32),
+        "min_p": np.zeros(s_pad, f32),
+        "repetition_penalty": np.ones(s_pad, f32),
+        "presence_penalty": np.zeros(s_pad, f32),
+        "frequency_penalty": np.zeros(s_pad, f32),
+    }
+    seeds = np.zeros(s_pad, np.uint32)
+    history = np.full((s_pad, max_model_len), -1, np.int32)
+    num_prompt = np.zeros(s_pad, np.int32)
+    blocked = np.full((s_pad, MAX_BLOCKED), -1, np.int32)
+    num_logprobs = np.zeros(s_pad, np.int32)
+    for i, x in enumerate(sampling):
+        for name, arr in arrays.items():
+            arr[i] = getattr(x.params, name)
+        seeds[i] = _seed32(x.seed)
+        if x.history is not None:
+            history[i, : len(x.history)] = x.history
+            num_prompt[i] = x.num_prompt_tokens
+        blocked[i, : len(x.blocked_ids)] = x.blocked_ids
+        num_logprobs[i] = x.params.logprobs or 0
+    return SamplingMetadata(
+        **arrays,
+        seeds=seeds,
+        positions=positions,
+        token_history=history,
+        num_prompt_tokens=num_prompt,
+        blocked_ids=blocked,
+        num_logprobs=num_logprobs,
+    )
+
+
+def bucket_seqs(cfg: RunnerConfig, t: int, s: int) -> list[ScheduledSeq]:
+    """s sequences sharing t tokens, every page the scratch page: hits bucket (t, s)."""
+    sizes = [t // s + (i < t % s) for i in range(s)]
+    return [ScheduledSeq([0] * n, 0, [0] * cfg.pages_per_seq) for n in sizes]
+
+
+def step_inputs(
+    cfg: RunnerConfig, seqs: list[ScheduledSeq], sampling: list[SeqSampling]
+) -> tuple[PackedBatch, AttentionMetadata, SamplingMetadata]:
+    """The packed batch and the step's two metadata pytrees (numpy)."""
+    tokens, seq_buckets = cfg.buckets
+    b = pack(seqs, cfg.page_size, cfg.pages_per_seq, tokens, seq_buckets)
+    smd = sampling_metadata(sampling, len(b.kv_lens), b.kv_lens.copy(), cfg.max_model_len)
+    return b, attention_metadata(b), smd
+
+
+def _run_model(graphdef, backend: AttentionBackend):
+    mesh = backend.mesh
+
+    def run_model(state, kv_cache, md: AttentionMetadata):
+        model = nnx.merge(graphdef, state)
+        logits, kv_cache = model(kv_cache, md, backend)
+        if mesh is not None:  # the sampler sees whole rows; the cache stays sharded
+            logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
+            kv_cache = jax.lax.with_sharding_constraint(kv_cache, kv_cache_sharding(mesh))
+        return logits, kv_cache
+
+    return run_model
+
+
+def make_forward(graphdef, backend: AttentionBackend):
+    """The model half of a step, ``(state, kv_cache, md) -> (kv_cache, logits [S, V])``, to
+    jit with the cache donated; ``sample`` is the other half. Two programs, not one:
+    the sampler's shapes depend on the sequence bucket only, so it compiles once per
+    sequence bucket instead of once per (token, sequence) pair, which halves TPU warm-up.
+    ``jaxserve.aot`` compiles the same two functions deviceless."""
+    run_model = _run_model(graphdef, backend)
+
+    def forward(state, kv_cache, md: AttentionMetadata):
+        logits, kv_cache = run_model(state, kv_cache, md)
+        return kv_cache, logits
+
+    return forward
+
+
+def copy_pages(kv_cache, src, dst):
+    return kv_cache.at[:, :, dst].set(kv_cache[:, :, src])  # every layer and head
 
 
 class ModelRunner:
@@ -81,83 +194,13 @@ class ModelRunner:
             self.kv_cache = jnp.zeros(shape, dtype)
         else:  # allocated in place on every device: each holds its KV heads of every page
             self.kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_sharding(mesh))()
-        self.token_buckets, self.seq_buckets = make_buckets(
-            cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.min_token_bucket
-        )
-        backend = cfg.attention_backend
-
-        def run_model(state, kv_cache, md: AttentionMetadata):
-            model = nnx.merge(self.graphdef, state)
-            logits, kv_cache = model(kv_cache, md, backend)
-            if mesh is not None:  # the sampler sees whole rows; the cache stays sharded
-                logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
-                kv_cache = jax.lax.with_sharding_constraint(kv_cache, kv_cache_sharding(mesh))
-            return logits, kv_cache
-
-        def step(state, kv_cache, md: AttentionMetadata, smd: SamplingMetadata):
-            logits, kv_cache = run_model(state, kv_cache, md)
-            return kv_cache, sample(logits, smd)
-
-        def forward(state, kv_cache, md: AttentionMetadata):
-            logits, kv_cache = run_model(state, kv_cache, md)
-            return kv_cache, logits
-
-        def copy_pages(kv_cache, src, dst):
-            return kv_cache.at[:, :, dst].set(kv_cache[:, :, src])  # every layer and head
-
-        self._step = jax.jit(step, donate_argnums=(1,))
+        self.token_buckets, self.seq_buckets = cfg.buckets
+        self._forward = jax.jit(make_forward(self.graphdef, cfg.attention_backend), donate_argnums=(1,))
+        self._sample = jax.jit(sample)
         self._copy_pages = jax.jit(copy_pages, donate_argnums=(0,))
-        self._forward = jax.jit(forward, donate_argnums=(1,))
 
     def pack(self, seqs: list[ScheduledSeq]) -> PackedBatch:
         return pack(seqs, self.cfg.page_size, self.cfg.pages_per_seq, self.token_buckets, self.seq_buckets)
-
-    @staticmethod
-    def _attention_md(b: PackedBatch) -> AttentionMetadata:
-        return AttentionMetadata(
-            input_ids=b.input_ids,
-            positions=b.positions,
-            slot_mapping=b.slot_mapping,
-            query_start_loc=b.query_start_loc,
-            kv_lens=b.kv_lens,
-            page_table=b.page_table,
-            logits_indices=b.logits_indices,
-        )
-
-    def _sampling_md(self, sampling: list[SeqSampling], s_pad: int, positions: np.ndarray) -> SamplingMetadata:
-        f32 = np.float32
-        arrays = {
-            "temperature": np.zeros(s_pad, f32),
-            "top_k": np.zeros(s_pad, np.int32),
-            "top_p": np.ones(s_pad, f32),
-            "min_p": np.zeros(s_pad, f32),
-            "repetition_penalty": np.ones(s_pad, f32),
-            "presence_penalty": np.zeros(s_pad, f32),
-            "frequency_penalty": np.zeros(s_pad, f32),
-        }
-        seeds = np.zeros(s_pad, np.uint32)
-        history = np.full((s_pad, self.cfg.max_model_len), -1, np.int32)
-        num_prompt = np.zeros(s_pad, np.int32)
-        blocked = np.full((s_pad, MAX_BLOCKED), -1, np.int32)
-        num_logprobs = np.zeros(s_pad, np.int32)
-        for i, x in enumerate(sampling):
-            for name, arr in arrays.items():
-                arr[i] = getattr(x.params, name)
-            seeds[i] = _seed32(x.seed)
-            if x.history is not None:
-                history[i, : len(x.history)] = x.history
-                num_prompt[i] = x.num_prompt_tokens
-            blocked[i, : len(x.blocked_ids)] = x.blocked_ids
-            num_logprobs[i] = x.params.logprobs or 0
-        return SamplingMetadata(
-            **arrays,
-            seeds=seeds,
-            positions=positions,
-            token_history=history,
-            num_prompt_tokens=num_prompt,
-            blocked_ids=blocked,
-            num_logprobs=num_logprobs,
-        )
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copies whole pages (copy-on-write of prefix-cache pages) before the next step.
@@ -181,7 +224,7 @@ class ModelRunner:
             self.channel.announce(STEP, len(b.input_ids), len(b.kv_lens))
             md, smd = self.channel.share((md, smd))
         t1 = time.perf_counter()
-        self.kv_cache, out = self._step(self.state, self.kv_cache, md, smd)
+        out = self._step(md, smd)
         n = b.num_seqs
         result = jax.tree.map(lambda a: to_host(a)[:n], out)
         t2 = time.perf_counter()
@@ -189,17 +232,14 @@ class ModelRunner:
         self.timings["device_s"] += t2 - t1  # dispatch + compute + transfer back
         return result
 
-    def _bucket_seqs(self, t: int, s: int) -> list[ScheduledSeq]:
-        """s sequences sharing t tokens, every page the scratch page: hits bucket (t, s)."""
-        sizes = [t // s + (i < t % s) for i in range(s)]
-        return [ScheduledSeq([0] * n, 0, [0] * self.cfg.pages_per_seq) for n in sizes]
+    def _step(self, md: AttentionMetadata, smd: SamplingMetadata) -> SamplerOutput:
+        self.kv_cache, logits = self._forward(self.state, self.kv_cache, md)
+        return self._sample(logits, smd)
 
     def _inputs(
         self, seqs: list[ScheduledSeq], sampling: list[SeqSampling]
     ) -> tuple[PackedBatch, AttentionMetadata, SamplingMetadata]:
-        """The packed batch and the step's two metadata pytrees."""
-        b = self.pack(seqs)
-        return b, self._attention_md(b), self._sampling_md(sampling, len(b.kv_lens), b.kv_lens.copy())
+        return step_inputs(self.cfg, seqs, sampling)
 
     def follow(self) -> None:
         """Followers (process > 0): replay the leader's steps and page copies until it stops."""
@@ -210,9 +250,9 @@ class ModelRunner:
             if op == STOP:
                 return
             if op == STEP:
-                _, *inputs = self._inputs(self._bucket_seqs(a, b), greedy(b))
+                _, *inputs = self._inputs(bucket_seqs(self.cfg, a, b), greedy(b))
                 md, smd = self.channel.share(tuple(inputs))
-                self.kv_cache, _ = self._step(self.state, self.kv_cache, md, smd)
+                self._step(md, smd)
             elif op == COPY_PAGES:
                 src, dst = self.channel.share((np.zeros(a, np.int32), np.zeros(a, np.int32)))
                 self.kv_cache = self._copy_pages(self.kv_cache, src, dst)
@@ -230,14 +270,13 @@ class ModelRunner:
             raise RuntimeError("logits() is not replayed on other processes; use it on a single process")
         b = self.pack(seqs)
         b.logits_indices = np.arange(len(b.input_ids), dtype=np.int32)
-        self.kv_cache, logits = self._forward(self.state, self.kv_cache, self._attention_md(b))
+        self.kv_cache, logits = self._forward(self.state, self.kv_cache, attention_metadata(b))
         return np.asarray(logits)[: b.num_tokens]
 
     def warmup(self, progress: bool = True) -> None:
         """Compiles the step for every (token bucket, sequence bucket) pair."""
-        pairs = [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
-        for t, s in tqdm(pairs, desc="compiling step buckets", disable=not progress, leave=False):
-            self.execute(self._bucket_seqs(t, s), greedy(s))
+        for t, s in tqdm(self.cfg.bucket_pairs, desc="compiling step buckets", disable=not progress, leave=False):
+            self.execute(bucket_seqs(self.cfg, t, s), greedy(s))
         self.copy_pages([(0, 0)])
 
     @property

@@ -26,11 +26,19 @@ class Metrics:
         self.e2e = Histogram("jaxserve_e2e_latency_seconds", "Request latency", buckets=_LATENCY_BUCKETS, registry=r)
         self._last_token_at: dict[str, float] = {}
         self._last_prefill = 0
+        self._httpd = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serves /metrics over HTTP; returns the bound port (0 picks a free one)."""
-        httpd, _ = start_http_server(port, addr=host, registry=self.registry)
-        return httpd.server_address[1]
+        self._httpd, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._httpd.server_address[1]
+
+    def stop(self) -> None:
+        """Closes the /metrics endpoint (no-op if it was never served)."""
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
 
     def on_step(self, thread, advanced, finished, now: float) -> None:
         stats = thread.engine.stats()

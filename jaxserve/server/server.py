@@ -1,7 +1,7 @@
 """Serving: the gRPC server (grpc.aio), health, reflection, metrics, and graceful drain.
 
-Start-up: bind, report NOT_SERVING, load nothing more but compile every step bucket
-(warm-up), start the engine thread, report SERVING. SIGTERM (or ``ServerHandle.stop``):
+Start-up: bind, report NOT_SERVING, start the engine thread, which compiles every step
+bucket (warm-up) before its first step, report SERVING. SIGTERM (or ``ServerHandle.stop``):
 report NOT_SERVING, refuse new requests, let in-flight ones finish within the grace
 period, end the rest with finish reason abort, stop.
 """
@@ -9,6 +9,7 @@ period, end the rest with finish reason abort, stop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 
 import grpc
@@ -52,6 +53,19 @@ class Server:
             await self.health.set(name, status)
 
     async def start(self) -> None:
+        # The engine is ours before anything is bound: a server over an LLM that another
+        # thread is driving fails here, with nothing left listening.
+        self.engine_thread.claim()
+        try:
+            await self._start()
+        except BaseException:
+            self.engine_thread.release()
+            if self._server is not None:
+                await self._server.stop(None)
+            self.metrics.stop()
+            raise
+
+    async def _start(self) -> None:
         self._stop = asyncio.Event()
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -71,9 +85,10 @@ class Server:
             self.on_bound()
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
-        if self.cfg.warmup:
-            await asyncio.get_running_loop().run_in_executor(None, self.llm.runner.warmup, self.progress)
-        self.engine_thread.start()
+        # Warm-up runs on the engine thread, which owns the engine from here on.
+        warmup = functools.partial(self.llm.runner.warmup, self.progress) if self.cfg.warmup else None
+        self.engine_thread.start(warmup)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine_thread.wait_ready)
         if self.before_serving is not None:
             await self.before_serving()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -94,6 +109,7 @@ class Server:
         await loop.run_in_executor(None, self.engine_thread.stop)
         await asyncio.sleep(0.1)  # let the final messages reach their streams
         await self._server.stop(grace=1.0)
+        self.metrics.stop()
 
 
 class ServerHandle:

@@ -1,0 +1,146 @@
+"""Resolve once: every value an engine derives from (EngineConfig, model config, devices).
+
+``LLM`` builds a real engine from the plan; ``jaxserve compile`` (``jaxserve.aot``)
+builds the same jitted step from it over compile-only TPU / GPU devices. Both read the
+plan's fields; neither derives them again::
+
+    EngineConfig + ModelConfig + devices ──resolve_plan──▶ EnginePlan
+        dtypes (activation, weight, KV) · max_model_len · mesh · KV heads per shard
+        attention backend · num_pages (from kv_cache_memory_gb) · RunnerConfig (buckets)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxserve.attention import AttentionBackend
+from jaxserve.config import EngineConfig
+from jaxserve.errors import ConfigError
+from jaxserve.models.config import ModelConfig
+from jaxserve.parallel import MeshConfig, check_divisible, make_mesh
+from jaxserve.runner.model_runner import RunnerConfig
+from pallas_kernels.ragged_paged_attention import cpu as cpu_attention
+
+
+def default_dtype(platform: str) -> str:
+    """float32 on CPU (exact against transformers; see weight_dtype for speed), bfloat16
+    on accelerators."""
+    return "float32" if platform == "cpu" else "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePlan:
+    """The resolved engine: what the config leaves to "derive" is decided here.
+
+    Attributes:
+        model_config: the checkpoint's architecture (before any KV-head replication).
+        dtype: activation dtype; ``weight_dtype`` the decoder layers' linear weights;
+            ``kv_dtype`` the KV cache.
+        max_model_len: the context limit after capping by the model and the KV pages.
+        mesh: the device mesh with tensor parallelism (None on one device).
+        num_kv_heads: KV heads held in the cache (replicated up to the ``model`` axis).
+        num_pages: KV pages, page 0 the scratch page.
+        runner: the runner's configuration (buckets, page table width, backend).
+    """
+
+    model_config: ModelConfig
+    platform: str
+    dtype: str
+    weight_dtype: str
+    kv_dtype: str
+    max_model_len: int
+    mesh_config: MeshConfig
+    mesh: Mesh | None
+    num_kv_heads: int
+    backend: AttentionBackend
+    num_pages: int
+    runner: RunnerConfig
+
+    @property
+    def kv_bytes_per_page(self) -> int:
+        """Bytes of one page on one device (all layers, that device's KV heads, padding)."""
+        mcfg = self.model_config
+        per_page = self.backend.kv_bytes_per_page(
+            mcfg.num_layers, self.runner.page_size, self.num_kv_heads, mcfg.head_dim, jnp.dtype(self.kv_dtype).itemsize
+        )
+        return per_page // self.mesh_config.model
+
+
+def resolve_plan(
+    cfg: EngineConfig, mcfg: ModelConfig, *, devices: list | None = None, platform: str | None = None
+) -> EnginePlan:
+    """Resolves ``cfg`` for model ``mcfg`` on ``devices`` (default: JAX's devices).
+
+    Raises:
+        ConfigError: naming the option that does not fit the model or the devices.
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    platform = platform or devices[0].platform
+    dtype = cfg.dtype or default_dtype(platform)
+    max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, 8192)
+    if max_model_len > mcfg.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len = {max_model_len}: must be <= the model's "
+            f"max_position_embeddings ({mcfg.max_position_embeddings})"
+        )
+    mesh_cfg = MeshConfig.from_option(cfg.mesh)
+    try:
+        mesh = make_mesh(mesh_cfg, devices) if mesh_cfg.size > 1 else None
+        kv_heads = check_divisible(mcfg.num_heads, mcfg.num_kv_heads, mcfg.intermediate_size, mesh_cfg.model)
+        backend = AttentionBackend.resolve(
+            cfg.attention_backend,
+            page_size=cfg.page_size,
+            interpret=cfg.attention_interpret,
+            mesh=mesh,
+            platform=platform,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    kv_dtype = cfg.kv_cache_dtype or dtype
+    if backend.name == "cpu" and kv_dtype not in cpu_attention.KV_DTYPES:
+        if cfg.attention_backend != "auto":
+            raise ConfigError(
+                f"kv_cache_dtype = {kv_dtype!r}: attention_backend 'cpu' holds one of "
+                f"{', '.join(cpu_attention.KV_DTYPES)}; use attention_backend: reference for {kv_dtype}"
+            )
+        backend = AttentionBackend.resolve("reference", page_size=cfg.page_size, mesh=mesh, platform=platform)
+    runner = RunnerConfig(
+        page_size=cfg.page_size,
+        num_pages=2,  # placeholder until the page count is known (below)
+        max_model_len=max_model_len,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs,
+        min_token_bucket=cfg.min_token_bucket or min(64, cfg.max_num_batched_tokens),
+        min_seq_bucket=2 if platform == "cpu" else 8,
+        attention_backend=backend,
+        kv_cache_dtype=kv_dtype,
+    )
+    plan = EnginePlan(
+        mcfg,
+        platform,
+        dtype,
+        cfg.weight_dtype or dtype,
+        kv_dtype,
+        max_model_len,
+        mesh_cfg,
+        mesh,
+        kv_heads,
+        backend,
+        2,
+        runner,
+    )
+    num_pages = cfg.num_pages
+    if num_pages is None:  # kv_cache_memory_gb is per device; a device holds 1/model of a page
+        budget = cfg.kv_cache_memory_gb * 2**30
+        if not math.isfinite(budget):
+            raise ConfigError(f"kv_cache_memory_gb = {cfg.kv_cache_memory_gb!r}: must be a finite number > 0")
+        num_pages = max(int(budget // plan.kv_bytes_per_page), 2)
+    # The context cannot outgrow the pages one sequence could hold (all but the scratch page).
+    max_model_len = min(max_model_len, (num_pages - 1) * cfg.page_size)
+    runner = dataclasses.replace(runner, num_pages=num_pages, max_model_len=max_model_len)
+    return dataclasses.replace(plan, num_pages=num_pages, max_model_len=max_model_len, runner=runner)

@@ -1,0 +1,159 @@
+"""One thread steps an engine: a served LLM's offline calls go through the engine thread,
+and a second thread that tries to drive an engine someone else drives gets a clear error."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.client import Client
+from jaxserve.engine.engine import EngineBusyError
+from jaxserve.server.config import ServerConfig
+from tests.conftest import rng_tokens, serve_llm
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+OPTIONS = dict(dtype="float32", page_size=16, num_pages=300, max_num_seqs=8, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir("llama3")[0]), progress=False, **OPTIONS)
+
+
+def _record_stepping_threads(llm) -> list[threading.Thread]:
+    seen: list[threading.Thread] = []
+    real = llm.engine.step
+
+    def spy():
+        seen.append(threading.current_thread())
+        return real()
+
+    llm.engine.step = spy  # an instance attribute shadows the method for every caller
+    return seen
+
+
+def test_a_served_llm_steps_only_on_the_engine_thread(llm):
+    prompts = [rng_tokens(6 + 5 * i, 320, seed=i) for i in range(6)]
+    expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    expected_text = llm.generate([prompts[0]], GREEDY)[0].text
+    config = ServerConfig(port=0, metrics_port=None, warmup=False)
+    with serve_llm(llm, config) as (server, addr):
+        seen = _record_stepping_threads(llm)
+        try:
+            assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+            assert "".join(llm.stream(prompts[0], GREEDY)) == expected_text
+            with Client(addr) as c:
+                assert (
+                    list(c.generate(prompts[1], max_tokens=8, temperature=0.0, ignore_eos=True).token_ids)
+                    == (expected[1])
+                )
+        finally:
+            del llm.engine.step
+        assert seen and {t.name for t in seen} == {"jaxserve-engine"}
+        # Anyone else who tries to drive the served engine is refused, not interleaved.
+        with pytest.raises(EngineBusyError, match="driven by the server's engine thread"):
+            llm.engine.step()
+        with pytest.raises(EngineBusyError):
+            llm.engine.add_request([1, 2, 3], GREEDY)
+    # Once the server has stopped, the LLM runs offline again on the caller's thread.
+    assert [o.token_ids for o in llm.generate(prompts[:2], GREEDY)] == expected[:2]
+    llm.scheduler.check_integrity()
+    assert llm.stats()["pages_held_by_requests"] == 0
+
+
+def test_offline_and_grpc_traffic_at_once_give_the_same_tokens(llm):
+    """Many gRPC streams while the test thread also calls generate: every output matches its
+    serial result, and the pool is whole afterwards (two steppers corrupt both)."""
+    prompts = [rng_tokens(10 + 3 * i, 320, seed=50 + i) for i in range(12)]
+    expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    config = ServerConfig(port=0, metrics_port=None, warmup=False)
+    with serve_llm(llm, config) as (_, addr):
+        remote: list = []
+
+        def client_side():
+            with Client(addr) as c:
+                for p in prompts:
+                    remote.append(list(c.generate(p, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids))
+
+        clients = [threading.Thread(target=client_side) for _ in range(2)]
+        for t in clients:
+            t.start()
+        offline = [[o.token_ids for o in llm.generate(prompts, GREEDY)] for _ in range(3)]
+        for t in clients:
+            t.join(timeout=300)
+        assert offline == [expected] * 3
+        assert remote and sorted(remote) == sorted(expected * 2)
+    llm.scheduler.check_integrity()
+    assert llm.stats()["pages_held_by_requests"] == 0
+
+
+def test_a_second_thread_cannot_drive_an_engine_in_use(llm):
+    stream = llm.stream([5, 6, 7, 8], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    next(stream)  # this thread now drives the engine, mid-request
+    errors: list[BaseException] = []
+
+    def other():
+        try:
+            llm.generate([[1, 2, 3]], GREEDY)
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            errors.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(timeout=60)
+    assert len(errors) == 1 and isinstance(errors[0], EngineBusyError)
+    assert "an offline LLM.stream call" in str(errors[0])
+    stream.close()  # ends the request and gives the engine back
+    t = threading.Thread(target=lambda: llm.generate([[1, 2, 3]], GREEDY))
+    t.start()
+    t.join(timeout=60)
+    assert llm.stats()["pages_held_by_requests"] == 0
+
+
+def test_a_server_cannot_start_over_an_engine_in_use(llm):
+    stream = llm.stream([5, 6, 7, 8], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    next(stream)
+    config = ServerConfig(port=0, metrics_port=None, warmup=False)
+    with pytest.raises(EngineBusyError, match="an offline LLM.stream call"):
+        with serve_llm(llm, config):
+            pass
+    stream.close()
+    assert llm.stats()["pages_held_by_requests"] == 0
+
+
+def test_a_failed_warmup_ends_waiting_offline_calls(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama3")[0]), progress=False, **OPTIONS)
+    from jaxserve.engine.async_engine import EngineThread
+    from jaxserve.errors import EngineError
+
+    gate = threading.Event()
+
+    def failing_warmup():
+        gate.wait(30)
+        raise RuntimeError("simulated compile failure")
+
+    thread = EngineThread(llm.engine)
+    thread.start(failing_warmup)
+    errors: list[BaseException] = []
+
+    def offline():
+        try:
+            llm.generate([[1, 2, 3]], GREEDY)
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            errors.append(e)
+
+    t = threading.Thread(target=offline)
+    t.start()
+    deadline = time.monotonic() + 60
+    while thread.num_waiting == 0:  # the call is queued behind warm-up
+        assert time.monotonic() < deadline, "the offline call never reached the engine thread"
+        time.sleep(0.01)
+    gate.set()
+    with pytest.raises(RuntimeError, match="simulated compile failure"):
+        thread.wait_ready()
+    t.join(timeout=60)
+    assert len(errors) == 1 and isinstance(errors[0], EngineError) and "warm-up failed" in str(errors[0])
+    assert len(llm.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 8  # the engine is free again
