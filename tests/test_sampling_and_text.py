@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -175,3 +176,36 @@ def test_stop_string_split_across_tokens(scripted, include):
         assert "".join(d) == r.output_text
         if not include:  # a prefix of the stop string was never emitted, then taken back
             assert all("STOP" not in x for x in d)
+
+
+def _sorted_keep_mask(scaled, top_k, top_p, min_p):
+    """top-k / top-p / min-p by sorting each row (what the sampler computes without a sort)."""
+    keep = np.zeros(scaled.shape, bool)
+    for i, row in enumerate(scaled.astype(np.float64)):
+        desc = np.sort(row)[::-1]
+        kth = desc[min(top_k[i], len(row)) - 1] if top_k[i] > 0 else desc[-1]
+        probs = np.exp(desc - desc[0]) / np.exp(desc - desc[0]).sum()
+        before = np.cumsum(probs) - probs  # mass ranked strictly before each value
+        pth = desc[before < top_p[i]].min()
+        mth = desc[0] + np.log(min_p[i]) if min_p[i] > 0 else -np.inf
+        keep[i] = row >= max(kth, pth, mth)
+    return keep
+
+
+def test_top_k_top_p_min_p_keep_what_a_sort_keeps():
+    """The sampler finds its thresholds by halving the key range (no sort): the kept set
+    must be exactly what sorting each row keeps, ties at the threshold included."""
+    from jaxserve.runner.sampler import keep_mask
+
+    rng = np.random.RandomState(0)
+    s, vocab = 24, 3000
+    scaled = (3 * rng.randn(s, vocab)).astype(np.float32)
+    scaled[0, :41] = 20.0  # 41 tied maxima: top-k 3 and any top-p keep the whole tie
+    scaled[1, :5] = 30.0
+    top_k = rng.choice([0, 1, 5, 40, 50_000], s).astype(np.int32)
+    top_k[:2] = 3
+    top_p = rng.choice([1.0, 0.95, 0.5, 1e-6], s).astype(np.float32)
+    min_p = rng.choice([0.0, 0.05, 0.5], s).astype(np.float32)
+    got = np.asarray(jax.jit(keep_mask)(scaled, top_k, top_p, min_p))
+    np.testing.assert_array_equal(got, _sorted_keep_mask(scaled, top_k, top_p, min_p))
+    assert got[0].sum() == 41 and got[1].sum() == 5  # a whole tie group is kept
