@@ -359,3 +359,44 @@ def test_cpu_kernel_rejects_bad_inputs_by_name():
         )
     with pytest.raises(Exception, match="layer 7 is not a layer"):
         np.asarray(cpu.ragged_paged_attention(c.q, c.kv_cache, 7, *args, sm_scale=1.0))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tpu_write_kv_merges_whole_tiles(dtype):
+    """The TPU write moves rows into whole memory tiles (8 float32 / 16 bfloat16 rows):
+    a run starting mid-tile, scattered single slots (several per tile, with gaps), padding
+    tokens sharing the scratch slot, and more tiles than one round of its buffer holds.
+    Every page but the scratch page must equal the reference's exactly."""
+    import ml_dtypes
+
+    np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    rng = np.random.RandomState(3)
+    page_size, num_kv_heads, head_dim, num_pages = 16, 2, 64, 12
+    cache = rng.randn(*tpu.get_kv_cache_shape(2, num_pages, page_size, num_kv_heads, head_dim)).astype(np_dtype)
+    run = list(range(3 * page_size + 5, 3 * page_size + 5 + 23))  # crosses a page boundary mid-tile
+    others = [s for s in range(page_size, num_pages * page_size) if s not in run]
+    scattered = sorted(rng.choice(others, size=11, replace=False).tolist())
+    slots = np.asarray(run + scattered[::-1] + [0] * 6, np.int32)  # unsorted singles, then padding
+    k = rng.randn(len(slots), num_kv_heads, head_dim).astype(np_dtype)
+    v = rng.randn(len(slots), num_kv_heads, head_dim).astype(np_dtype)
+    tile_bytes = 2 * num_kv_heads * tpu.tile_rows(np_dtype) * cache.shape[-1] * np.dtype(np_dtype).itemsize
+    expected = np.asarray(ref_write_kv(cache, np.int32(1), slots, k, v))
+    got = np.asarray(
+        tpu.write_kv(cache, np.int32(1), slots, k, v, interpret=not NATIVE, tile_buffer_bytes=2 * tile_bytes)
+    )
+    np.testing.assert_array_equal(got[:, :, 1:].astype(np.float32), expected[:, :, 1:].astype(np.float32))
+    np.testing.assert_array_equal(got[:, 0].astype(np.float32), cache[:, 0].astype(np.float32))  # layer 0 untouched
+
+
+def test_tpu_write_plan_counts_tiles_and_segments():
+    """Slots 5..12 (rows 5-7 of tile 0 and 0-4 of tile 1 at 8 rows per tile), 20 and 22
+    (tile 2 = page 1 rows 0-7, two segments: 21 is skipped), and two padding tokens on slot 0 (tile 0, a
+    segment of its own before row 5)."""
+    plan = tpu.plan_write(jnp.asarray([20, 5, 6, 7, 8, 9, 10, 11, 12, 22, 0, 0], jnp.int32), 16, 8)
+    num_tiles, num_segs = (int(x) for x in plan.counts)
+    assert (num_tiles, num_segs) == (3, 5)
+    assert plan.tile_page[:3].tolist() == [0, 0, 1] and plan.tile_row[:3].tolist() == [0, 8, 0]
+    assert plan.tile_first_seg[:4].tolist() == [0, 2, 3, 5]
+    assert plan.seg_row[:5].tolist() == [0, 5, 0, 4, 6]
+    assert plan.seg_len[:5].tolist() == [1, 3, 5, 1, 1]
+    assert plan.seg_src[:5].tolist() == [0, 1, 4, 9, 10]

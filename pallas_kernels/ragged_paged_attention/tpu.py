@@ -22,6 +22,7 @@ as Mosaic tiles want; the padding lanes are zero.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -228,34 +229,171 @@ def ragged_paged_attention(
     )
 
 
-def _write_kernel(slots_ref, layer_ref, new_hbm, cache_in, cache_hbm, sem):
-    """Copies each token's K/V row of every head to its slot: one DMA per (token, head),
-    all in flight at once, then all awaited. Padding tokens write page 0 (scratch)."""
-    del cache_in  # aliased to cache_hbm
-    two_hkv, num_tokens = new_hbm.shape[0], new_hbm.shape[1]
-    page_size = cache_hbm.shape[3]
-    layer = layer_ref[0]
-
-    def copies(t):
-        slot = slots_ref[t]
-        page, offset = slot // page_size, slot % page_size
-        for head in range(two_hkv):
-            yield pltpu.make_async_copy(
-                new_hbm.at[head, pl.ds(t, 1)], cache_hbm.at[head, layer, page, pl.ds(offset, 1)], sem
-            )
-
-    @pl.loop(0, num_tokens)
-    def _(t):
-        for copy in copies(t):
-            copy.start()
-
-    @pl.loop(0, num_tokens)
-    def _(t):
-        for copy in copies(t):
-            copy.wait()
+def tile_rows(dtype) -> int:
+    """Rows of one memory tile of ``dtype`` on a TPU: 8 rows of 32-bit words, and narrower
+    types pack 2 (16-bit) or 4 (8-bit) rows per word. A DMA or slice along the rows must
+    start at a multiple of this (Mosaic rejects a one-row bfloat16 write)."""
+    return SUBLANES * 4 // jnp.dtype(dtype).itemsize
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+# VMEM held by one round of the write kernel's tile buffer; the window of new rows beside
+# it is about the same size. Well under every chip's default scoped VMEM (16 MiB on v5e).
+WRITE_TILE_BUFFER_BYTES = 2 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class WritePlan:
+    """Where a step's K/V rows go, as whole memory tiles (``tile_rows`` rows of a page).
+
+    Tokens are sorted by slot and duplicate slots dropped (padding tokens all write the
+    scratch slot 0). The sorted tokens then fall into *tiles* (one tile of one page each)
+    and, within a tile, into *segments*: runs of consecutive slots, which are consecutive
+    sorted tokens too. All arrays are [T] (room for the worst case), valid up to the
+    counts in ``counts``.
+
+    Attributes:
+        counts: [2] number of tiles, number of segments.
+        tile_page, tile_row: each tile's page and first row in that page.
+        tile_first_seg: [T + 1] each tile's first segment; entry ``num_tiles`` = num_segs.
+        seg_tile, seg_row, seg_src, seg_len: each segment's tile, first row in the tile,
+            first sorted token and length.
+        order: [T] original token of each sorted position (kept tokens first).
+    """
+
+    counts: jax.Array
+    tile_page: jax.Array
+    tile_row: jax.Array
+    tile_first_seg: jax.Array
+    seg_tile: jax.Array
+    seg_row: jax.Array
+    seg_src: jax.Array
+    seg_len: jax.Array
+    order: jax.Array
+
+
+def plan_write(slot_mapping: jax.Array, page_size: int, rows: int) -> WritePlan:
+    """Builds the tile and segment lists of a write (integer work on [T] arrays)."""
+    i32 = jnp.int32
+    num_tokens = slot_mapping.shape[0]
+    by_slot = jnp.argsort(slot_mapping, stable=True).astype(i32)
+    slots = slot_mapping.astype(i32)[by_slot]
+    keep = jnp.concatenate([jnp.ones((1,), bool), slots[1:] != slots[:-1]])
+    pos = jnp.where(keep, jnp.cumsum(keep) - 1, num_tokens)  # compacted index; dropped -> out of range
+    order = jnp.zeros(num_tokens, i32).at[pos].set(by_slot, mode="drop")
+    slots = jnp.zeros(num_tokens, i32).at[pos].set(slots, mode="drop")
+    valid = jnp.arange(num_tokens) < keep.sum()
+    tile, row = slots // rows, slots % rows
+
+    def starts(x):  # where x differs from the element before it
+        return jnp.concatenate([jnp.ones((1,), bool), x[1:] != x[:-1]])
+
+    new_tile = valid & starts(tile)
+    new_seg = new_tile | (valid & jnp.concatenate([jnp.ones((1,), bool), row[1:] != row[:-1] + 1]))
+    tile_id, seg_id = jnp.cumsum(new_tile) - 1, jnp.cumsum(new_seg) - 1
+    num_tiles, num_segs = new_tile.sum().astype(i32), new_seg.sum().astype(i32)
+    at_tile = jnp.where(new_tile, tile_id, num_tokens)
+    at_seg = jnp.where(new_seg, seg_id, num_tokens)
+    zeros = jnp.zeros(num_tokens, i32)
+    first_slot = zeros.at[at_tile].set(tile * rows, mode="drop")
+    tile_first_seg = jnp.zeros(num_tokens + 1, i32).at[at_tile].set(seg_id, mode="drop").at[num_tiles].set(num_segs)
+    return WritePlan(
+        counts=jnp.stack([num_tiles, num_segs]),
+        tile_page=first_slot // page_size,
+        tile_row=first_slot % page_size,
+        tile_first_seg=tile_first_seg,
+        seg_tile=zeros.at[at_seg].set(tile_id, mode="drop"),
+        seg_row=zeros.at[at_seg].set(row, mode="drop"),
+        seg_src=zeros.at[at_seg].set(jnp.arange(num_tokens, dtype=i32), mode="drop"),
+        seg_len=zeros.at[jnp.where(valid, seg_id, num_tokens)].add(1, mode="drop"),
+        order=order,
+    )
+
+
+def _write_kernel(
+    # scalar prefetch (SMEM)
+    counts_ref,  # [2] tiles, segments
+    layer_ref,  # [1]
+    tile_page_ref,  # [T]
+    tile_row_ref,  # [T]
+    tile_first_seg_ref,  # [T + 1]
+    seg_tile_ref,  # [T]
+    seg_row_ref,  # [T]
+    seg_src_ref,  # [T]
+    seg_len_ref,  # [T]
+    # inputs
+    new_hbm,  # [T + window, 2*Hkv*D] HBM: the kept tokens' rows in slot order, heads side by side
+    cache_in,  # aliased to cache_hbm
+    # output
+    cache_hbm,  # [2*Hkv, L, num_pages, page_size, D] HBM
+    # scratch
+    tiles,  # [C, 2*Hkv, R, D] VMEM: one round of cache tiles
+    window,  # [window, 2*Hkv*D] VMEM: the new rows one round reads
+    sems,  # DMA semaphores [3]: tile reads, tile writes, window
+):
+    """Read-modify-write of whole memory tiles, in rounds of up to C tiles: DMA the
+    round's tiles and its window of new rows into VMEM (all in flight at once), merge
+    each segment's rows into its tile, DMA the tiles back. Every DMA starts at a
+    multiple of R rows, so packed dtypes (bfloat16, 8-bit) write as cleanly as float32."""
+    del cache_in
+    two_hkv, _, _, _, head_dim = cache_hbm.shape
+    max_tiles, _, rows, _ = tiles.shape
+    window_rows = window.shape[0]
+    num_tiles, layer = counts_ref[0], layer_ref[0]
+
+    def tile_copies(t, c, to_cache: bool):
+        page, row = tile_page_ref[t], pl.multiple_of(tile_row_ref[t], rows)
+        for h in range(two_hkv):
+            hbm = cache_hbm.at[h, layer, page, pl.ds(row, rows)]
+            if to_cache:
+                yield pltpu.make_async_copy(tiles.at[c, h], hbm, sems.at[1])
+            else:
+                yield pltpu.make_async_copy(hbm, tiles.at[c, h], sems.at[0])
+
+    def each_tile(first, count, to_cache: bool, method: str):
+        @pl.loop(0, count)
+        def _(c):
+            _for_each(tile_copies(first + c, c, to_cache), method)
+
+    r_idx = jax.lax.broadcasted_iota(jnp.int32, (rows, 2 * rows), 0)
+    c_idx = jax.lax.broadcasted_iota(jnp.int32, (rows, 2 * rows), 1)
+    row_idx = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    precision = jax.lax.Precision.HIGHEST if window.dtype == jnp.float32 else None
+
+    def merge(base, first_tile):
+        def body(s, carry):
+            tile, row, src, length = seg_tile_ref[s] - first_tile, seg_row_ref[s], seg_src_ref[s], seg_len_ref[s]
+            src_block = (src // rows) * rows
+            new = window[pl.ds(pl.multiple_of(src_block - base, rows), 2 * rows), :]  # [2R, 2*Hkv*D]
+            # Row r of the tile takes new row (r - row + src - src_block): a one-hot matmul
+            # moves the rows (exact: one product by 1.0 per output), no sublane shuffles.
+            pick = (c_idx == r_idx - row + (src - src_block)) & (r_idx >= row) & (r_idx < row + length)
+            moved = jax.lax.dot(
+                pick.astype(new.dtype), new, precision=precision, preferred_element_type=jnp.float32
+            ).astype(tiles.dtype)
+            mine = (row_idx >= row) & (row_idx < row + length)
+            for h in range(two_hkv):
+                tiles[tile, h] = jnp.where(mine, moved[:, h * head_dim : (h + 1) * head_dim], tiles[tile, h])
+            return carry
+
+        return body
+
+    @pl.loop(0, (num_tiles + max_tiles - 1) // max_tiles)
+    def _(round_):
+        first = round_ * max_tiles
+        count = jnp.minimum(max_tiles, num_tiles - first)
+        seg_lo, seg_hi = tile_first_seg_ref[first], tile_first_seg_ref[first + count]
+        base = pl.multiple_of((seg_src_ref[seg_lo] // rows) * rows, rows)
+        window_copy = pltpu.make_async_copy(new_hbm.at[pl.ds(base, window_rows)], window, sems.at[2])
+        window_copy.start()
+        each_tile(first, count, False, "start")
+        window_copy.wait()
+        each_tile(first, count, False, "wait")
+        jax.lax.fori_loop(seg_lo, seg_hi, merge(base, first), 0)
+        each_tile(first, count, True, "start")
+        each_tile(first, count, True, "wait")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tile_buffer_bytes"))
 def write_kv(
     kv_cache: jax.Array,  # [2*Hkv, L, num_pages, page_size, D]
     layer: jax.Array,  # [] int32
@@ -264,24 +402,59 @@ def write_kv(
     v: jax.Array,  # [T, Hkv, head_dim <= D]
     *,
     interpret: bool = False,
+    tile_buffer_bytes: int = WRITE_TILE_BUFFER_BYTES,
 ) -> jax.Array:
     """Same contract as ``ref_write_kv``: returns the cache with this step's K/V written
-    (in place: the cache is aliased to the output)."""
+    (in place: the cache is aliased to the output). Duplicate slots: the first token wins.
+
+    Cost: besides the rows themselves, each touched tile is read and written whole (up to
+    ``tile_rows`` rows per page and head), and the rows are sorted by slot in XLA first.
+    A decode step touches one tile per sequence; a prefill chunk ~tokens / tile_rows."""
     check_write_inputs(kv_cache, slot_mapping, k, v)
-    new = jnp.concatenate([k, v], axis=1).astype(kv_cache.dtype).transpose(1, 0, 2)  # [2*Hkv, T, hd]
-    new = pad_head_dim(new, kv_cache.shape[4])
+    two_hkv, _, _, page_size, head_dim = kv_cache.shape
+    rows = tile_rows(kv_cache.dtype)
+    if page_size % rows:
+        raise ValueError(
+            f"page_size {page_size} must be a multiple of {rows} for a {jnp.dtype(kv_cache.dtype).name} "
+            f"KV cache on TPU (the rows of one memory tile)"
+        )
+    num_tokens = slot_mapping.shape[0]
+    plan = plan_write(slot_mapping, page_size, rows)
+    tile_bytes = two_hkv * rows * head_dim * jnp.dtype(kv_cache.dtype).itemsize
+    max_tiles = max(1, min(num_tokens, tile_buffer_bytes // tile_bytes))
+    # One round's segments start within max_tiles * rows sorted tokens of its first one,
+    # and each reads 2 * rows from its aligned start: this window always covers them.
+    window_rows = min(max_tiles + 2, -(-num_tokens // rows) + 2) * rows
+    new = jnp.concatenate([k, v], axis=1).astype(kv_cache.dtype)  # [T, 2*Hkv, hd]
+    new = pad_head_dim(new, head_dim)[plan.order].reshape(num_tokens, two_hkv * head_dim)
+    new = jnp.pad(new, ((0, window_rows), (0, 0)))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    scalars = (
+        plan.counts,
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        plan.tile_page,
+        plan.tile_row,
+        plan.tile_first_seg,
+        plan.seg_tile,
+        plan.seg_row,
+        plan.seg_src,
+        plan.seg_len,
+    )
     return pl.pallas_call(
         _write_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=len(scalars),
             grid=(1,),
             in_specs=[any_spec, any_spec],
             out_specs=any_spec,
-            scratch_shapes=[pltpu.SemaphoreType.DMA(())],
+            scratch_shapes=[
+                pltpu.VMEM((max_tiles, two_hkv, rows, head_dim), kv_cache.dtype),
+                pltpu.VMEM((window_rows, two_hkv * head_dim), kv_cache.dtype),
+                pltpu.SemaphoreType.DMA((3,)),
+            ],
         ),
         out_shape=jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
-        input_output_aliases={3: 0},
+        input_output_aliases={len(scalars) + 1: 0},
         interpret=_interpret_arg(interpret),
         name="write_kv",
-    )(slot_mapping.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1), new, kv_cache)
+    )(*scalars, new, kv_cache)
