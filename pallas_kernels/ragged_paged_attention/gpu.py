@@ -34,6 +34,10 @@ from pallas_kernels.ragged_paged_attention.common import (
 )
 
 MIN_DOT = 16
+# Shared memory for one KV block (K and V), per pipeline stage. Hopper has 227 KiB per
+# block; two stages of 64 KiB leave room for the query tile. Found by the compile-only
+# H200 check: 128-token blocks of head_dim 256 asked for 320 KiB.
+KV_BLOCK_BYTES = 64 * 1024
 
 
 def _next_pow2(n: int) -> int:
@@ -126,6 +130,10 @@ def ragged_paged_attention(
     block_pages = min(block_sizes.block_pages, _next_pow2(page_table.shape[1]))
     if block_pages & (block_pages - 1) or page_size & (page_size - 1):
         raise ValueError(f"block_pages ({block_pages}) and page_size ({page_size}) must be powers of two")
+    page_bytes = 2 * page_size * kv_cache.shape[4] * kv_cache.dtype.itemsize  # K and V of one page
+    while block_pages > 1 and block_pages * page_bytes > KV_BLOCK_BYTES:
+        block_pages //= 2
+    num_stages = 2 if page_bytes <= KV_BLOCK_BYTES else 1  # a lone page over budget: no double buffer
     params = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(sliding_window, jnp.int32)])
 
     def attend(plan, tokens_per_block, page_table, kv_lens, decode):
@@ -143,7 +151,7 @@ def ragged_paged_attention(
             in_specs=[whole] * 6 + [tile_spec, whole],
             out_specs=tile_spec,
             out_shape=jax.ShapeDtypeStruct(tiles.shape, q.dtype),
-            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=num_stages),
             interpret=interpret,
             name="ragged_paged_attention_decode" if decode else "ragged_paged_attention_chunk",
         )(plan.seq, plan.first_pos, plan.num_tokens, kv_lens, page_table, params, tiles, kv_cache)
