@@ -58,6 +58,32 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from jaxserve import aot
+    from jaxserve.server.config import load_run_config
+
+    engine_cfg, _ = load_run_config(args.config, args.set or [])
+    if args.arch is None:
+        raise aot.ConfigError(
+            f"--arch is required: a preset ({', '.join(aot.PRESETS)}), a config.json, or the model's directory"
+        )
+    tgt = aot.target(args.topology)
+    compiler = aot.StepCompiler(aot.plan_for(engine_cfg, aot.model_config(args.arch), tgt), tgt)
+    buckets = [_bucket(b) for b in args.bucket] if args.bucket else None
+    aot.report(
+        compiler, context=args.context, buckets=buckets, batch=args.batch, out=lambda line: print(line, flush=True)
+    )
+    return 0
+
+
+def _bucket(text: str) -> tuple[int, int]:
+    try:
+        tokens, seqs = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise JaxServeError(f"--bucket {text!r}: expected TOKENS:SEQS, e.g. 512:64") from None
+    return tokens, seqs
+
+
 def _cmd_generate_remote(args: argparse.Namespace) -> int:
     from jaxserve.client import Client
 
@@ -143,6 +169,21 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_module.add_arguments(p)
     p.set_defaults(func=lambda a: bench_module.main(a))
+
+    p = sub.add_parser(
+        "compile",
+        help="compile a config's step for a TPU topology without a TPU; report HBM and a roofline",
+        description="Deviceless: runs the real TPU compiler (libtpu) against compile-only devices. "
+        "Needs `pip install 'jax[tpu]'`. No weights are read.",
+    )
+    p.add_argument("--config", default=None, help="YAML file of engine options (see configs/)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (mesh.model=8)")
+    p.add_argument("--topology", required=True, help="compile-only devices: v5e:2x2, v5e:2x4, v6e:2x2, v5p:2x2x1")
+    p.add_argument("--arch", default=None, help="model architecture: a preset (llama3-8b, ...) or a config.json")
+    p.add_argument("--context", type=int, default=1024, help="tokens each sequence attends to, for the roofline")
+    p.add_argument("--batch", type=int, default=None, help="sequences in the decode roofline (default max_num_seqs)")
+    p.add_argument("--bucket", action="append", metavar="TOKENS:SEQS", help="compile only these bucket pairs")
+    p.set_defaults(func=_cmd_compile)
 
     p = sub.add_parser("run", help="serve a model over gRPC")
     p.add_argument("--config", default=None, help="YAML file: engine options plus a server: section")

@@ -14,9 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.attention import REFERENCE, AttentionBackend, AttentionMetadata
 from jaxserve.models.config import ModelConfig, rope_inv_freq
+from jaxserve.parallel import MODEL
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float = 0.02) -> nnx.Param:
@@ -168,4 +171,8 @@ class LlamaForCausalLM(nnx.Module):
         x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
         head = embed.T if cfg.tie_word_embeddings else self.lm_head[...]
         logits = jnp.dot(x.astype(head.dtype), head, preferred_element_type=jnp.float32)
+        if backend.mesh is not None:
+            # Each device computes the logits of its vocabulary shard. Left to itself, GSPMD
+            # all-gathers the whole LM head (1 GB for Llama-3-8B) every step instead.
+            logits = jax.lax.with_sharding_constraint(logits, NamedSharding(backend.mesh, P(None, MODEL)))
         return logits, kv_cache

@@ -1,0 +1,126 @@
+"""What the compile-only TPU and GPU checks share: the kernel shape table, and compiling a
+kernel or the engine's step for compile-only devices.
+
+One compile at a time: XLA's compiler already keeps both of CI's cores busy (two worker
+processes measured no faster), and concurrent Mosaic compiles in one process crashed
+libtpu (v5p).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve import aot
+from jaxserve.server.config import load_run_config
+from pallas_kernels.ragged_paged_attention import BlockSizes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (name, q heads, KV heads, head_dim, page_size, cache dtype, tokens, seqs, window)
+# Pairwise cover of: GQA 1/4/8, head_dim 64/128/256, pages 16/32/64/128, bfloat16 and
+# float32, decode-only (tokens == seqs) and mixed (tokens > seqs) buckets, sliding window
+# on and off. The window and the decode/prefill split are runtime values inside one
+# compiled program; the bucket shapes are what changes the program.
+KERNEL_SHAPES = [
+    ("gqa1-d64-p16-bf16-decode", 8, 8, 64, 16, jnp.bfloat16, 64, 64, 0),
+    ("gqa4-d128-p32-bf16-mixed", 32, 8, 128, 32, jnp.bfloat16, 512, 64, 0),
+    ("gqa8-d256-p64-bf16-decode-window", 64, 8, 256, 64, jnp.bfloat16, 32, 32, 1024),
+    ("gqa1-d128-p128-f32-mixed-window", 8, 8, 128, 128, jnp.float32, 256, 16, 1024),
+    ("gqa4-d256-p16-f32-decode", 16, 4, 256, 16, jnp.float32, 64, 64, 0),
+    ("gqa8-d64-p32-f32-mixed", 16, 2, 64, 32, jnp.float32, 128, 8, 0),
+    ("gqa1-d256-p32-bf16-mixed", 4, 4, 256, 32, jnp.bfloat16, 128, 32, 0),
+    ("gqa4-d64-p64-f32-mixed-window", 12, 3, 64, 64, jnp.float32, 512, 32, 4096),
+    ("gqa8-d128-p128-bf16-decode", 32, 4, 128, 128, jnp.bfloat16, 16, 16, 0),
+    ("gqa4-d128-p16-bf16-mixed-window", 8, 2, 128, 16, jnp.bfloat16, 2048, 64, 4096),
+    ("gqa8-d128-p64-f32-decode", 64, 8, 128, 64, jnp.float32, 128, 128, 0),
+    ("gqa1-d64-p128-bf16-mixed", 2, 2, 64, 128, jnp.bfloat16, 256, 4, 0),
+]
+
+
+def on_first_device(target):
+    """(sharding, abstract mesh) of the target's first device."""
+    mesh = Mesh(np.asarray(target.devices[:1]).reshape(1), ("x",))
+    return NamedSharding(mesh, P()), mesh.abstract_mesh
+
+
+def compile_fn(fn, target, *shapes_dtypes):
+    """Compiles ``fn`` for abstract arguments of the given (shape, dtype) on the target."""
+    sharding, abstract_mesh = on_first_device(target)
+    args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes_dtypes]
+    with jax.sharding.use_abstract_mesh(abstract_mesh):
+        return jax.jit(fn).lower(*args).compile()
+
+
+def compile_kernels(kernel, target, shape) -> None:
+    """The KV write then ragged paged attention of ``kernel`` (tpu / gpu module) at one
+    row of ``KERNEL_SHAPES``, with the block sizes the engine uses."""
+    _, hq, hkv, head_dim, page_size, dtype, tokens, seqs, window = shape
+    pages_per_seq = 8192 // page_size
+    cache = kernel.get_kv_cache_shape(2, seqs * pages_per_seq // 4 + 1, page_size, hkv, head_dim)
+    sizes = BlockSizes(block_q=16, block_pages=max(1, 128 // page_size))
+
+    def step(q, k, v, kv_cache, slot_mapping, kv_lens, page_table, query_start_loc):
+        kv_cache = kernel.write_kv(kv_cache, 1, slot_mapping, k, v)
+        out = kernel.ragged_paged_attention(
+            q, kv_cache, 1, kv_lens, page_table, query_start_loc, window, sm_scale=0.1, block_sizes=sizes
+        )
+        return out, kv_cache
+
+    i32 = jnp.int32
+    compile_fn(
+        step,
+        target,
+        ((tokens, hq, head_dim), dtype),
+        ((tokens, hkv, head_dim), dtype),
+        ((tokens, hkv, head_dim), dtype),
+        (cache, dtype),
+        ((tokens,), i32),
+        ((seqs,), i32),
+        ((seqs, pages_per_seq), i32),
+        ((seqs + 1,), i32),
+    )
+
+
+@functools.cache
+def _target(topology: str):
+    return aot.target(topology)
+
+
+def kernel_failures(kernel, topology: str) -> dict:
+    """Compiles every row of KERNEL_SHAPES; returns {row name: first error line} of failures."""
+    failed = {}
+    for shape in KERNEL_SHAPES:
+        try:
+            compile_kernels(kernel, _target(topology), shape)
+        except Exception as e:  # noqa: BLE001 - collected: every failing shape is reported
+            failed[shape[0]] = str(e).splitlines()[0][:300]
+    return failed
+
+
+@functools.cache
+def config_compiler(config: str, topology: str, arch: str = "llama3-8b") -> aot.StepCompiler:
+    engine_cfg, _ = load_run_config(str(ROOT / "configs" / config))
+    tgt = _target(topology)
+    return aot.StepCompiler(aot.plan_for(engine_cfg, aot.model_config(arch), tgt), tgt)
+
+
+def compile_every_bucket(compiler: aot.StepCompiler) -> tuple[list, list]:
+    """Forward programs of every bucket pair and samplers of every sequence bucket."""
+    pairs = compiler.plan.runner.bucket_pairs
+    forwards = [compiler.compile_forward(*pair) for pair in pairs]
+    return forwards, [compiler.compile_sample(s) for s in sorted({s for _, s in pairs})]
+
+
+def check_step_reports(compiler: aot.StepCompiler, forwards: list) -> None:
+    """Every bucket's program holds the weights and the donated cache, and fits the chip."""
+    for (tokens, seqs), c in zip(compiler.plan.runner.bucket_pairs, forwards, strict=True):
+        assert c.argument_bytes >= compiler.kv_cache_bytes, (tokens, seqs)
+        assert c.alias_bytes >= compiler.kv_cache_bytes, (tokens, seqs)
+        assert c.peak_bytes < compiler.target.chip.hbm_bytes, (tokens, seqs, c.peak_bytes)

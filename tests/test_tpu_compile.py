@@ -1,0 +1,139 @@
+"""Compile-only checks for TPUs: the real TPU compiler (libtpu, Mosaic included) runs here
+against compile-only devices, so the tiling, alignment, VMEM and layout rules that
+interpret mode never applies are enforced on every change. No TPU is needed.
+
+- both TPU kernels (KV write + ragged paged attention) over a table of shapes, for
+  v5e, v6e and v5p;
+- the engine's whole step (model, KV write, attention, sampler) for every bucket pair of
+  the shipped TPU configs, weights abstract and sharded over the config's mesh;
+- ``jaxserve compile`` prints its table, and refuses a config that cannot fit.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("libtpu", reason="compile-only TPU checks need libtpu (pip install 'jax[tpu]')")
+
+from jaxserve import aot  # noqa: E402
+from jaxserve.errors import ConfigError  # noqa: E402
+from pallas_kernels.ragged_paged_attention import tpu  # noqa: E402
+from tests.compile_only import (  # noqa: E402
+    ROOT,
+    check_step_reports,
+    compile_every_bucket,
+    compile_fn,
+    config_compiler,
+    kernel_failures,
+)
+
+CHIPS = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}
+
+
+@pytest.mark.parametrize("chip", list(CHIPS))
+def test_tpu_kernels_compile_over_the_shape_table(chip):
+    assert not kernel_failures(tpu, CHIPS[chip])
+
+
+def _one_row_write(slots, new, cache):
+    """The KV write this project shipped first: one DMA per token row."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    def kernel(slots_ref, new_hbm, cache_in, cache_hbm, sem):
+        del cache_in
+        copy = pltpu.make_async_copy(new_hbm.at[0, pl.ds(0, 1)], cache_hbm.at[0, 1, 3, pl.ds(slots_ref[0], 1)], sem)
+        copy.start()
+        copy.wait()
+
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(1,),
+            in_specs=[any_spec, any_spec],
+            out_specs=any_spec,
+            scratch_shapes=[pltpu.SemaphoreType.DMA(())],
+        ),
+        out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+        input_output_aliases={2: 0},
+    )(slots, new, cache)
+
+
+def test_the_check_catches_a_one_row_bfloat16_write():
+    """The compiler enforces what interpret mode never does: a one-row bfloat16 DMA
+    (rows pack in pairs) is rejected. The harness must fail on it, or the table above
+    proves nothing."""
+    cache = tpu.get_kv_cache_shape(2, 8, 16, 1, 128)
+    slots = ((4,), jnp.int32)
+    with pytest.raises(Exception, match="aligned to tiles"):
+        compile_fn(_one_row_write, aot.target("v5e:2x2"), slots, ((2, 4, 128), jnp.bfloat16), (cache, jnp.bfloat16))
+    compile_fn(_one_row_write, aot.target("v5e:2x2"), slots, ((2, 4, 128), jnp.float32), (cache, jnp.float32))
+
+
+@pytest.mark.parametrize(
+    "config, topology", [("llama3-8b-tpu-v5e.yaml", "v5e:2x2"), ("llama3-8b-tpu-v6e.yaml", "v6e:2x2")]
+)
+def test_shipped_tpu_config_compiles_every_bucket_pair(config, topology):
+    compiler = config_compiler(config, topology)
+    assert compiler.plan.backend.name == "pallas_tpu" and compiler.plan.kv_dtype == "bfloat16"
+    forwards, samplers = compile_every_bucket(compiler)
+    assert len(forwards) >= 12 and samplers
+    check_step_reports(compiler, forwards)
+
+
+def test_the_lm_head_is_never_gathered():
+    """With the vocabulary sharded, each device computes its logit columns; the step must
+    all-gather the logits ([S, V] floats), never the LM head's weights ([E, V])."""
+    compiler = config_compiler("llama3-8b-tpu-v5e.yaml", "v5e:2x2")
+    md, _ = compiler._inputs(64, 64)
+    with jax.sharding.use_abstract_mesh(compiler.mesh.abstract_mesh):
+        text = compiler._forward.lower(compiler.state, compiler.kv_cache, md).compile().as_text()
+    gathered = re.findall(r"= \w+\[([\d,]+)\][^=]*? all-gather\(", text)
+    assert gathered, "the logits' all-gather is missing from the step"
+    sizes = [int(np.prod([int(d) for d in dims.split(",")])) for dims in gathered]
+    assert max(sizes) <= 64 * 128256, gathered
+
+
+def _compile_cli(*extra) -> list[str]:
+    config = str(ROOT / "configs" / "llama3-8b-tpu-v5e.yaml")
+    return ["compile", "--config", config, "--topology", "v5e:2x2", "--arch", "llama3-8b", *extra]
+
+
+def test_jaxserve_compile_prints_the_table(capsys):
+    from jaxserve.cli import main
+
+    assert main(_compile_cli("--bucket", "64:8")) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^\s+64\s+8\s+[\d.]+\s+[\d.]+\s+17\.20 ", out, re.M), out
+    assert re.search(r"^sample\s+8 ", out, re.M), out
+    assert "sequences that fit at max_model_len 8192: 31" in out
+    assert re.search(r"decode roofline, 64 sequences at context 1024: [\d.]+ ms per step, [\d,]+ tokens/s", out)
+
+
+def test_jaxserve_compile_refuses_a_config_that_cannot_fit(capsys):
+    from jaxserve.cli import main
+
+    assert main(_compile_cli("--set", "kv_cache_memory_gb=14")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert re.search(
+        r"does not fit: each TPU v5 lite needs [\d.]+ GB \(weights 4.02 GB \+ KV cache 15.03 GB\) of its "
+        r"17.20 GB HBM; lower kv_cache_memory_gb \(now 14.00 GB per device\) or raise mesh.model \(now 4, on 4 devices\)",
+        err,
+    ), err
+    assert main(_compile_cli("--set", "mesh.model=8")) == 2
+    assert "needs 8 devices, but topology v5e:2x2 has 4" in capsys.readouterr().err
+
+
+def test_unknown_topology_and_arch_are_one_line_errors():
+    with pytest.raises(ConfigError, match="--topology 'v9z:1x1'"):
+        aot.tpu_target("v9z:1x1")
+    with pytest.raises(ConfigError, match="--arch 'nope': not a preset"):
+        aot.model_config("nope")
