@@ -52,26 +52,6 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 8192,
         "tie_word_embeddings": False,
     },
-    "llama3.1-8b": {
-        "model_type": "llama",
-        "vocab_size": 128256,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": False,
-    },
     "llama2-7b": {
         "model_type": "llama",
         "vocab_size": 32000,
@@ -98,6 +78,17 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 8192,
         "tie_word_embeddings": True,
     },
+}
+PRESETS["llama3.1-8b"] = {
+    **PRESETS["llama3-8b"],
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "max_position_embeddings": 131072,
 }
 
 # Peak dense bfloat16 FLOP/s, HBM bytes/s and HBM bytes per GPU (vendor datasheets, SXM).

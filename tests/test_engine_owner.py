@@ -23,6 +23,21 @@ def llm(tiny_model_dir):
     return LLM(str(tiny_model_dir("llama3")[0]), progress=False, **OPTIONS)
 
 
+def _in_thread(fn) -> tuple[threading.Thread, list[BaseException]]:
+    """Starts ``fn`` on another thread; the list receives what it raised."""
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors
+
+
 def _record_stepping_threads(llm) -> list[threading.Thread]:
     seen: list[threading.Thread] = []
     real = llm.engine.step
@@ -93,23 +108,14 @@ def test_offline_and_grpc_traffic_at_once_give_the_same_tokens(llm):
 def test_a_second_thread_cannot_drive_an_engine_in_use(llm):
     stream = llm.stream([5, 6, 7, 8], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     next(stream)  # this thread now drives the engine, mid-request
-    errors: list[BaseException] = []
-
-    def other():
-        try:
-            llm.generate([[1, 2, 3]], GREEDY)
-        except BaseException as e:  # noqa: BLE001 - inspected below
-            errors.append(e)
-
-    t = threading.Thread(target=other)
-    t.start()
+    t, errors = _in_thread(lambda: llm.generate([[1, 2, 3]], GREEDY))
     t.join(timeout=60)
     assert len(errors) == 1 and isinstance(errors[0], EngineBusyError)
     assert "an offline LLM.stream call" in str(errors[0])
     stream.close()  # ends the request and gives the engine back
-    t = threading.Thread(target=lambda: llm.generate([[1, 2, 3]], GREEDY))
-    t.start()
+    t, errors = _in_thread(lambda: llm.generate([[1, 2, 3]], GREEDY))
     t.join(timeout=60)
+    assert not errors and not t.is_alive()
     assert llm.stats()["pages_held_by_requests"] == 0
 
 
@@ -137,16 +143,7 @@ def test_a_failed_warmup_ends_waiting_offline_calls(tiny_model_dir):
 
     thread = EngineThread(llm.engine)
     thread.start(failing_warmup)
-    errors: list[BaseException] = []
-
-    def offline():
-        try:
-            llm.generate([[1, 2, 3]], GREEDY)
-        except BaseException as e:  # noqa: BLE001 - inspected below
-            errors.append(e)
-
-    t = threading.Thread(target=offline)
-    t.start()
+    t, errors = _in_thread(lambda: llm.generate([[1, 2, 3]], GREEDY))
     deadline = time.monotonic() + 60
     while thread.num_waiting == 0:  # the call is queued behind warm-up
         assert time.monotonic() < deadline, "the offline call never reached the engine thread"
