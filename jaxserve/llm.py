@@ -170,9 +170,16 @@ class LLM:
                 while self.engine.has_unfinished():
                     self.engine.step()
             finally:
-                for r in requests:
-                    self.engine.abort(r.request_id)  # no-op for finished ones; frees pages on error
+                self._end(requests)
         return [_output(r) for r in requests]
+
+    def _end(self, requests: list[Request]) -> None:
+        """Aborts what is unfinished (no-op for finished requests; frees pages on error) and,
+        if a failed step took the donated KV cache, makes a fresh one for the next call."""
+        for r in requests:
+            self.engine.abort(r.request_id)
+        if self.engine.runner.kv_cache_lost and not self.engine.has_unfinished():
+            self.engine.recover()
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields text deltas of one completion as tokens are generated."""
@@ -193,7 +200,7 @@ class LLM:
                         yield request.output_text[sent:]
                         sent = len(request.output_text)
             finally:
-                self.engine.abort(request.request_id)
+                self._end([request])
 
     # -- through a serving engine thread -------------------------------------------------
     def _run_served(self, handoff, encoded: list[list[int]], params: SamplingParams) -> list:

@@ -154,3 +154,21 @@ def test_a_failed_warmup_ends_waiting_offline_calls(tiny_model_dir):
     t.join(timeout=60)
     assert len(errors) == 1 and isinstance(errors[0], EngineError) and "warm-up failed" in str(errors[0])
     assert len(llm.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 8  # the engine is free again
+
+
+def test_an_offline_step_that_fails_after_donation_leaves_a_working_engine(llm, monkeypatch):
+    prompt = rng_tokens(30, 320, seed=11)
+    expected = llm.generate([prompt], GREEDY)[0].token_ids
+    real = llm.runner._forward
+
+    def fails_after_donation(state, kv_cache, md):
+        real(state, kv_cache, md)  # the cache is donated, then the step fails
+        raise RuntimeError("simulated device failure after donation")
+
+    monkeypatch.setattr(llm.runner, "_forward", fails_after_donation)
+    with pytest.raises(RuntimeError, match="after donation"):
+        llm.generate([prompt], GREEDY)
+    monkeypatch.undo()
+    assert llm.generate([prompt], GREEDY)[0].token_ids == expected
+    assert llm.stats()["recoveries"] >= 1 and llm.stats()["pages_held_by_requests"] == 0
+    llm.scheduler.check_integrity()

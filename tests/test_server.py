@@ -316,3 +316,42 @@ def test_a_failed_engine_step_ends_requests_with_internal_and_serving_continues(
         assert "simulated device failure" in err.value.details()
         assert len(c.generate([1, 2, 3], max_tokens=4, **GREEDY, timeout=60).token_ids) == 4
     assert llm.stats()["pages_held_by_requests"] == 0
+
+
+def test_a_step_that_fails_after_donation_recreates_the_kv_cache(tiny_model_dir, monkeypatch):
+    """A step that fails after taking the donated KV cache used to poison the server for
+    good (every later step: "Buffer has been deleted or donated"). Now the requests in
+    flight end with INTERNAL, health reads NOT_SERVING while a fresh cache is made (and the
+    prefix cache, whose pages held the lost K/V, is emptied), and the next request gets
+    the same tokens as before the failure."""
+    with tiny_server(tiny_model_dir("llama3")[0], num_pages=200) as (llm, server, addr):
+        prompt = rng_tokens(40, 320, seed=7)
+        with Client(addr) as c:
+            expected = list(c.generate(prompt, max_tokens=6, **GREEDY).token_ids)
+        statuses = []
+        real_set, real_forward = server.health.set, llm.runner._forward
+
+        async def record(service, status):
+            if service == "":
+                statuses.append(status)
+            await real_set(service, status)
+
+        def fails_once_after_donation(state, kv_cache, md):
+            out = real_forward(state, kv_cache, md)  # the cache is donated to this call...
+            if not statuses:
+                raise RuntimeError("simulated device failure after donation")  # ...and lost
+            return out
+
+        monkeypatch.setattr(server.health, "set", record)
+        monkeypatch.setattr(llm.runner, "_forward", fails_once_after_donation)
+        with Client(addr) as c:
+            with pytest.raises(grpc.RpcError) as err:
+                c.generate(prompt, max_tokens=6, **GREEDY, timeout=60)
+            assert err.value.code() == grpc.StatusCode.INTERNAL
+            assert "simulated device failure after donation" in err.value.details()
+            assert list(c.generate(prompt, max_tokens=6, **GREEDY, timeout=60).token_ids) == expected
+            assert c.generate(prompt, max_tokens=6, **GREEDY, timeout=60).usage.cached_tokens > 0
+        assert statuses == [health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING]
+        assert llm.stats()["recoveries"] == 1
+        assert llm.stats()["pages_held_by_requests"] == 0
+        llm.scheduler.check_integrity()

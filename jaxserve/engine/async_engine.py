@@ -67,10 +67,19 @@ class Submission:
 
 
 class EngineThread:
-    def __init__(self, engine: Engine, max_waiting_requests: int = 256, on_step: Callable | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        max_waiting_requests: int = 256,
+        on_step: Callable | None = None,
+        on_recovery: Callable[[bool], None] | None = None,
+    ):
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step  # called on the engine thread after each step (metrics)
+        # Called with True when a failed step lost the KV cache and recovery starts, with
+        # False once the engine serves again (the server's health goes NOT_SERVING between).
+        self.on_recovery = on_recovery
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, Submission] = {}
         self._pending = 0  # submitted but not yet handed to the engine
@@ -225,6 +234,17 @@ class EngineThread:
             with self._lock:
                 self._streams.pop(request_id, None)
 
+    def _recover(self) -> None:
+        """Re-creates the KV cache if the failed step took it (requests are ended by now)."""
+        if not self.engine.runner.kv_cache_lost:
+            return
+        if self.on_recovery is not None:
+            self.on_recovery(True)
+        self.engine.recover()
+        logger.warning("the failed step had taken the KV cache: re-created it and emptied the prefix cache")
+        if self.on_recovery is not None:
+            self.on_recovery(False)
+
     def _run(self) -> None:
         try:
             if self._warmup is not None:
@@ -275,6 +295,7 @@ class EngineThread:
             except Exception as e:  # noqa: BLE001 - no request may hang on a failed step
                 logger.exception("engine step failed; ending the requests in flight")
                 self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                self._recover()
                 continue
             now = time.monotonic()
             if self.on_step is not None:

@@ -77,7 +77,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
         self._ids = itertools.count()
-        self.counters = {"steps": 0, "prefill_tokens_computed": 0, "decode_tokens": 0}
+        self.counters = {"steps": 0, "prefill_tokens_computed": 0, "decode_tokens": 0, "recoveries": 0}
         # Cumulative seconds per phase of step(): scheduling (+ building the step's inputs
         # lists), the runner (see runner.timings: packing vs device), update + text.
         self.timings = {"schedule_s": 0.0, "update_s": 0.0, "step_s": 0.0}
@@ -146,6 +146,21 @@ class Engine:
         self._text.pop(request_id, None)
         if request is not None:
             self.scheduler.abort(request)
+
+    def recover(self) -> bool:
+        """After a failed step whose requests have all been ended: if the step had taken the
+        donated KV cache with it, allocates a fresh cache and empties the prefix cache (its
+        pages held the lost K/V). Returns whether it had to."""
+        self._check_owner("recover")
+        if not self.runner.kv_cache_lost:
+            return False
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("recover() needs every request ended first: their K/V went with the cache")
+        self.runner.reset_kv_cache()
+        if self.scheduler.cache is not None:
+            self.scheduler.cache.clear()
+        self.counters["recoveries"] += 1
+        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -96,6 +96,11 @@ class PrefixCache:
             self.index.unlock(request.cache_node)
             request.cache_node = None
 
+    def clear(self) -> None:
+        """Drops every cached prefix no request holds (after the KV cache was lost, their
+        pages hold nothing valid)."""
+        self.index.evict(self.pool.num_pages)
+
     def evict(self, num_free_pages: int) -> None:
         """Frees pages by evicting LRU unreferenced prefixes until ``num_free_pages`` are free."""
         self.index.evict(num_free_pages)

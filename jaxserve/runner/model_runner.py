@@ -191,9 +191,10 @@ class ModelRunner:
         self.channel = StepChannel() if spans_processes else None
         self.timings = {"pack_s": 0.0, "device_s": 0.0}  # cumulative, for profiles
         if mesh is None:
-            self.kv_cache = jnp.zeros(shape, dtype)
+            self._new_kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype))
         else:  # allocated in place on every device: each holds its KV heads of every page
-            self.kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_sharding(mesh))()
+            self._new_kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_sharding(mesh))
+        self.kv_cache = self._new_kv_cache()
         self.token_buckets, self.seq_buckets = cfg.buckets
         self._forward = jax.jit(make_forward(self.graphdef, cfg.attention_backend), donate_argnums=(1,))
         self._sample = jax.jit(sample)
@@ -231,6 +232,17 @@ class ModelRunner:
         self.timings["pack_s"] += t1 - t0
         self.timings["device_s"] += t2 - t1  # dispatch + compute + transfer back
         return result
+
+    @property
+    def kv_cache_lost(self) -> bool:
+        """True when a step failed after the cache was donated to it: its contents are gone."""
+        return self.kv_cache.is_deleted()
+
+    def reset_kv_cache(self) -> None:
+        """A fresh, zeroed KV cache (after ``kv_cache_lost``; the old buffer is released)."""
+        if not self.kv_cache.is_deleted():
+            self.kv_cache.delete()
+        self.kv_cache = self._new_kv_cache()
 
     def _step(self, md: AttentionMetadata, smd: SamplingMetadata) -> SamplerOutput:
         self.kv_cache, logits = self._forward(self.state, self.kv_cache, md)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 
 import grpc
@@ -24,6 +25,7 @@ from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.server.servicer import JaxServeServicer
 
+logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -39,7 +41,10 @@ class Server:
         self.cfg = cfg
         self.progress = progress
         self.metrics = Metrics()
-        self.engine_thread = EngineThread(llm.engine, cfg.max_waiting_requests, on_step=self.metrics.on_step)
+        self.engine_thread = EngineThread(
+            llm.engine, cfg.max_waiting_requests, on_step=self.metrics.on_step, on_recovery=self._on_recovery
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.servicer = JaxServeServicer(llm, self.engine_thread, model_name)
         self.health = HealthServicer()
         self.port: int | None = None
@@ -51,6 +56,16 @@ class Server:
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
+
+    def _on_recovery(self, recovering: bool) -> None:
+        """Engine thread: health is NOT_SERVING while a lost KV cache is re-created."""
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if recovering else health_pb2.HealthCheckResponse.SERVING
+        if self._loop is None or (self._stop is not None and self._stop.is_set()):
+            return  # not serving yet, or draining: health is NOT_SERVING already
+        try:  # wait, so NOT_SERVING is visible before recovery proceeds
+            asyncio.run_coroutine_threadsafe(self._set_health(status), self._loop).result(timeout=10)
+        except Exception:  # noqa: BLE001 - the loop is closing; health no longer matters
+            logger.warning("could not report health %s", status)
 
     async def start(self) -> None:
         # The engine is ours before anything is bound: a server over an LLM that another
@@ -67,6 +82,7 @@ class Server:
 
     async def _start(self) -> None:
         self._stop = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
