@@ -1,0 +1,75 @@
+"""Fixed shapes are a contract: after warm-up, no request mix compiles anything.
+
+A property test over random mixes of sampling parameters (greedy and sampled, penalties,
+logprobs, stop ids, min_tokens, seeds, ignore_eos) and prompt / output lengths, with
+prefix sharing and preemption in play, stepping through the same engine every time.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxserve import LLM, SamplingParams
+
+VOCAB = 320
+
+
+@pytest.fixture(scope="module")
+def warm_llm(tiny_model_dir):
+    # Few pages: long mixes preempt and recompute; prefix caching copies pages.
+    llm = LLM(
+        str(tiny_model_dir("llama3")[0]),
+        dtype="float32",
+        page_size=16,
+        num_pages=40,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        progress=False,
+    )
+    llm.runner.warmup(progress=False)
+    return llm
+
+
+sampling = st.builds(
+    SamplingParams,
+    max_tokens=st.integers(1, 40),
+    temperature=st.sampled_from([0.0, 0.0, 0.7, 1.3]),
+    top_k=st.sampled_from([0, 0, 1, 20]),
+    top_p=st.sampled_from([1.0, 1.0, 0.9, 0.3]),
+    min_p=st.sampled_from([0.0, 0.0, 0.1]),
+    seed=st.one_of(st.none(), st.integers(0, 2**40)),
+    stop_token_ids=st.lists(st.integers(0, VOCAB - 1), max_size=3).map(tuple),
+    ignore_eos=st.booleans(),
+    repetition_penalty=st.sampled_from([1.0, 1.0, 1.2]),
+    presence_penalty=st.sampled_from([0.0, 0.0, 0.5]),
+    frequency_penalty=st.sampled_from([0.0, 0.0, -0.3]),
+    logprobs=st.sampled_from([None, None, 0, 5]),
+)
+requests = st.lists(
+    st.tuples(
+        st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=150),
+        sampling,
+        st.integers(0, 10),  # min_tokens, capped at max_tokens
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mix=requests, shared_prefix=st.lists(st.integers(0, VOCAB - 1), max_size=40))
+def test_no_compile_after_warmup_for_any_request_mix(warm_llm, mix, shared_prefix):
+    import dataclasses
+
+    llm = warm_llm
+    before = llm.stats()["num_compiles"]
+    for prompt, params, min_tokens in mix:
+        params = dataclasses.replace(params, min_tokens=min(min_tokens, params.max_tokens))
+        llm.engine.add_request(shared_prefix + prompt, params)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        llm.scheduler.check_integrity()
+    assert llm.stats()["num_compiles"] == before
+    assert llm.stats()["pages_held_by_requests"] == 0
