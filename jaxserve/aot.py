@@ -2,16 +2,15 @@
 
 The real TPU compiler (libtpu, Mosaic included) runs on any machine against compile-only
 devices (``jax.experimental.topologies``); so does XLA's GPU compiler with a target
-description. ``compile_plan`` builds the engine's jitted step exactly as ``ModelRunner``
-does (``make_forward`` and ``sample``), with weights, KV cache and step inputs as abstract arrays sharded
-over the plan's mesh, and compiles it for every (token bucket, sequence bucket) pair. No
-checkpoint is read and nothing is allocated. Each compile reports the memory the device
-needs (``memory_analysis``) and the work XLA counts (``cost_analysis``).
+description. ``StepCompiler`` builds the engine's jitted step exactly as ``ModelRunner``
+does (``make_forward`` and ``sample``), with weights, KV cache and step inputs as abstract
+arrays sharded over the plan's mesh, and compiles it for every (token bucket, sequence
+bucket) pair. No checkpoint is read and nothing is allocated. Each compile reports the
+memory the device needs (``memory_analysis``) and the work XLA counts (``cost_analysis``).
 
 Roofline: a step takes at least max(FLOPs / peak FLOP/s, bytes / HBM bandwidth) per
-device. XLA counts a Pallas kernel's operands whole (a custom call), so the attention
-kernel's bytes would read as the entire KV cache; the estimate therefore adds the
-attention traffic a step really has (``kv_bytes_read``) to the rest of the step's count.
+device. XLA's counts cannot give those (the layer loop's body is counted once, a Pallas
+kernel's operands whole), so ``Workload`` counts them from the weights and the KV layout.
 """
 
 from __future__ import annotations
@@ -164,6 +163,11 @@ def target(topology: str) -> Target:
     return tpu_target(topology)
 
 
+def _param_name(path) -> str:
+    """A parameter's name (``q_proj``, ``embed``, ...) from its path in the model's state."""
+    return [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
+
+
 def _abstract(x, sharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
@@ -221,16 +225,14 @@ class StepCompiler:
         )
         dtype = backend.kv_storage_dtype(plan.kv_dtype)
         self.kv_cache = jax.ShapeDtypeStruct(shape, dtype, sharding=kv_cache_sharding(mesh))
-        self.weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.state))
         self.vocab_size = cfg.vocab_size
         self._forward = jax.jit(make_forward(self.graphdef, backend), donate_argnums=(1,))
         self._sample = jax.jit(sample)
 
     def _param_spec(self, path, x):
-        name = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
         if self.plan.mesh is None:
             return _abstract(x, self.replicated)
-        return _abstract(x, param_sharding(self.mesh, name, x.shape))
+        return _abstract(x, param_sharding(self.mesh, _param_name(path), x.shape))
 
     def _inputs(self, tokens: int, seqs: int):
         cfg = self.plan.runner
@@ -254,12 +256,6 @@ class StepCompiler:
     def kv_cache_bytes(self) -> int:
         """KV cache bytes on one device."""
         return math.prod(self.kv_cache.shape) * self.kv_cache.dtype.itemsize // self.plan.mesh_config.model
-
-
-def kv_bytes_read(plan: EnginePlan, num_seqs: int, context: int) -> int:
-    """Bytes of KV one device reads for ``num_seqs`` sequences attending ``context`` tokens."""
-    pages = -(-context // plan.runner.page_size)
-    return num_seqs * pages * plan.kv_bytes_per_page
 
 
 def plan_for(cfg: EngineConfig, arch: ModelConfig, tgt: Target) -> EnginePlan:
@@ -292,8 +288,7 @@ class Workload:
         mcfg = plan.model_config
         per_device = {}
         for path, x in jax.tree_util.tree_flatten_with_path(compiler.state)[0]:
-            name = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
-            per_device[name] = math.prod(x.sharding.shard_shape(x.shape)), x.dtype.itemsize
+            per_device[_param_name(path)] = math.prod(x.sharding.shard_shape(x.shape)), x.dtype.itemsize
         weight_bytes = sum(n * size for n, size in per_device.values())
         linear = sum(per_device[n][0] for n in MATMUL_PARAMS if n in per_device)
         head = per_device["lm_head" if "lm_head" in per_device else "embed"][0]
@@ -326,10 +321,10 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
 
 
-def check_fits(compiler: StepCompiler, extra_bytes: int = 0) -> None:
-    """Raises ConfigError naming the numbers when weights + KV (+ ``extra_bytes``) exceed HBM."""
+def check_fits(compiler: StepCompiler, weights: int, extra_bytes: int = 0) -> None:
+    """Raises ConfigError naming the numbers when ``weights`` + KV (+ ``extra_bytes``) bytes
+    per device exceed HBM."""
     plan, chip = compiler.plan, compiler.target.chip
-    weights = Workload.of(compiler).weight_bytes
     kv = compiler.kv_cache_bytes
     need = weights + kv + extra_bytes
     if need > chip.hbm_bytes:
@@ -341,6 +336,11 @@ def check_fits(compiler: StepCompiler, extra_bytes: int = 0) -> None:
             f"lower kv_cache_memory_gb (now {plan_kv_gb(plan)} GB per device) or raise mesh.model "
             f"(now {plan.mesh_config.model}, on {len(compiler.target.devices)} devices)"
         )
+
+
+def sequences_that_fit(plan: EnginePlan, context: int) -> int:
+    """Sequences of ``context`` tokens whose pages the cache holds at once (page 0 is scratch)."""
+    return (plan.num_pages - 1) // -(-context // plan.runner.page_size)
 
 
 def plan_kv_gb(plan: EnginePlan) -> str:
@@ -359,7 +359,7 @@ def report(
     plan, tgt = compiler.plan, compiler.target
     chip = tgt.chip
     work = Workload.of(compiler)
-    check_fits(compiler)
+    check_fits(compiler, work.weight_bytes)
     out(
         f"target {tgt.name}: {len(tgt.devices)} x {chip.kind} ({_gb(chip.hbm_bytes)} GB HBM, "
         f"{chip.peak_flops / 1e12:.0f} TFLOP/s bf16, {chip.hbm_bandwidth / 1e9:.0f} GB/s each)"
@@ -387,15 +387,13 @@ def report(
     for seqs in sorted({s for _, s in pairs}):
         c = compiler.compile_sample(seqs)
         out(f"{'sample':>6} {seqs:>4} {c.compile_s:>9.1f} {_gb(c.peak_bytes):>7}")
-    check_fits(compiler, max(0, peak - work.weight_bytes - compiler.kv_cache_bytes))
-    pages_per_seq = -(-plan.max_model_len // plan.runner.page_size)
-    fit = (plan.num_pages - 1) // pages_per_seq
+    check_fits(compiler, work.weight_bytes, max(0, peak - work.weight_bytes - compiler.kv_cache_bytes))
+    fit = sequences_that_fit(plan, plan.max_model_len)
     out(f"sequences that fit at max_model_len {plan.max_model_len}: {fit} (max_num_seqs {plan.runner.max_num_seqs})")
     out("XLA's FLOPs and bytes count the layer loop's body once and each Pallas kernel's operands whole;")
     out("the roofline uses the step's own counts: FLOPs / peak vs (weights + KV read + KV written) / bandwidth.")
     for ctx in sorted({context, plan.max_model_len}):
-        fits = (plan.num_pages - 1) // -(-ctx // plan.runner.page_size)
-        seqs = min(batch or plan.runner.max_num_seqs, plan.runner.max_num_seqs, fits)
+        seqs = min(batch or plan.runner.max_num_seqs, plan.runner.max_num_seqs, sequences_that_fit(plan, ctx))
         step = work.seconds(chip, seqs, seqs, ctx)
         out(
             f"decode roofline, {seqs} sequences at context {ctx}: {1e3 * step:.2f} ms per step, "

@@ -64,11 +64,17 @@ class EnginePlan:
     @property
     def kv_bytes_per_page(self) -> int:
         """Bytes of one page on one device (all layers, that device's KV heads, padding)."""
-        mcfg = self.model_config
-        per_page = self.backend.kv_bytes_per_page(
-            mcfg.num_layers, self.runner.page_size, self.num_kv_heads, mcfg.head_dim, jnp.dtype(self.kv_dtype).itemsize
+        return _kv_bytes_per_page(
+            self.backend, self.model_config, self.runner.page_size, self.num_kv_heads, self.kv_dtype, self.mesh_config
         )
-        return per_page // self.mesh_config.model
+
+
+def _kv_bytes_per_page(
+    backend: AttentionBackend, mcfg: ModelConfig, page_size: int, kv_heads: int, kv_dtype: str, mesh_cfg: MeshConfig
+) -> int:
+    # A device holds 1/model of every page (its share of the KV heads).
+    itemsize = jnp.dtype(kv_dtype).itemsize
+    return backend.kv_bytes_per_page(mcfg.num_layers, page_size, kv_heads, mcfg.head_dim, itemsize) // mesh_cfg.model
 
 
 def resolve_plan(
@@ -109,9 +115,18 @@ def resolve_plan(
                 f"{', '.join(cpu_attention.KV_DTYPES)}; use attention_backend: reference for {kv_dtype}"
             )
         backend = AttentionBackend.resolve("reference", page_size=cfg.page_size, mesh=mesh, platform=platform)
+    num_pages = cfg.num_pages
+    if num_pages is None:  # kv_cache_memory_gb is per device
+        budget = cfg.kv_cache_memory_gb * 2**30
+        if not math.isfinite(budget):
+            raise ConfigError(f"kv_cache_memory_gb = {cfg.kv_cache_memory_gb!r}: must be a finite number > 0")
+        per_page = _kv_bytes_per_page(backend, mcfg, cfg.page_size, kv_heads, kv_dtype, mesh_cfg)
+        num_pages = max(int(budget // per_page), 2)
+    # The context cannot outgrow the pages one sequence could hold (all but the scratch page).
+    max_model_len = min(max_model_len, (num_pages - 1) * cfg.page_size)
     runner = RunnerConfig(
         page_size=cfg.page_size,
-        num_pages=2,  # placeholder until the page count is known (below)
+        num_pages=num_pages,
         max_model_len=max_model_len,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs,
@@ -120,27 +135,18 @@ def resolve_plan(
         attention_backend=backend,
         kv_cache_dtype=kv_dtype,
     )
-    plan = EnginePlan(
+    weight_dtype = cfg.weight_dtype or dtype
+    return EnginePlan(
         mcfg,
         platform,
         dtype,
-        cfg.weight_dtype or dtype,
+        weight_dtype,
         kv_dtype,
         max_model_len,
         mesh_cfg,
         mesh,
         kv_heads,
         backend,
-        2,
+        num_pages,
         runner,
     )
-    num_pages = cfg.num_pages
-    if num_pages is None:  # kv_cache_memory_gb is per device; a device holds 1/model of a page
-        budget = cfg.kv_cache_memory_gb * 2**30
-        if not math.isfinite(budget):
-            raise ConfigError(f"kv_cache_memory_gb = {cfg.kv_cache_memory_gb!r}: must be a finite number > 0")
-        num_pages = max(int(budget // plan.kv_bytes_per_page), 2)
-    # The context cannot outgrow the pages one sequence could hold (all but the scratch page).
-    max_model_len = min(max_model_len, (num_pages - 1) * cfg.page_size)
-    runner = dataclasses.replace(runner, num_pages=num_pages, max_model_len=max_model_len)
-    return dataclasses.replace(plan, num_pages=num_pages, max_model_len=max_model_len, runner=runner)
