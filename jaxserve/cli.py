@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jaxserve.errors import JaxServeError
 from jaxserve.models.fetch import ALIASES, DEFAULT_MODEL, fetch
+
+# Exit codes: 0 done (a drained server too); 1 a bug (traceback); 2 a bad option, input or
+# file, or a start-up check that failed (one line naming it); 130 interrupted (Ctrl-C).
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
 
 
 def _cmd_fetch(args: argparse.Namespace) -> int:
@@ -40,20 +46,42 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 0
     server = Server(llm, server_cfg, engine_cfg.model, progress=not args.quiet)
 
-    async def main() -> None:
-        await server.start()
-        print(f"jaxserve: serving {engine_cfg.model} on {server_cfg.host}:{server.port}", flush=True)
-        loop = asyncio.get_running_loop()
+    async def main() -> bool:
+        """Serves until SIGTERM / SIGINT; False if interrupted before serving."""
         import signal
 
+        loop = asyncio.get_running_loop()
+        starting = asyncio.current_task()
+
+        def on_signal() -> None:
+            if starting is not None and not starting.done() and not server.serving:
+                starting.cancel()  # during warm-up: stop now, quietly
+            else:
+                server.request_stop()  # drain; a second signal ends the drain at once
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, server.request_stop)
+            loop.add_signal_handler(sig, on_signal)
+        server.on_bound = lambda: print(
+            f"jaxserve: listening on {server_cfg.host}:{server.port}; warming up", flush=True
+        )
+        try:
+            await server.start()
+        except asyncio.CancelledError:
+            return False
+        print(f"jaxserve: serving {engine_cfg.model} on {server_cfg.host}:{server.port}", flush=True)
         await server.wait_and_drain()
+        return True
 
     try:
-        asyncio.run(main())
+        served = asyncio.run(main())
     finally:
         llm.runner.stop_followers()
+    if not served:
+        print("jaxserve: interrupted during start-up", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # The engine thread may be inside an XLA compile that cannot be interrupted; leave
+        # without waiting for it (nothing was served, nothing is lost).
+        os._exit(EXIT_INTERRUPTED)
     print("jaxserve: stopped", flush=True)
     return 0
 
@@ -196,10 +224,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except grpc_errors() as e:
         print(f"jaxserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
     except JaxServeError as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
+    except KeyboardInterrupt:  # Ctrl-C while loading or fetching: no traceback
+        print("jaxserve: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ with Client("127.0.0.1:50051") as c:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
@@ -36,10 +37,37 @@ def build_request(prompt, request_id: str = "", **sampling) -> pb.GenerateReques
     return req
 
 
+@dataclasses.dataclass(frozen=True)
+class Credentials:
+    """How to reach a server that has TLS (``root_certificates``: the CA's PEM), mutual
+    TLS (also the client's key and certificate) or token authentication (``token``)."""
+
+    token: str | None = None
+    root_certificates: bytes | None = None
+    private_key: bytes | None = None
+    certificate_chain: bytes | None = None
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
+def open_channel(address: str, credentials: Credentials | None = None) -> grpc.Channel:
+    """A channel to ``address``: TLS when ``credentials.root_certificates`` is given."""
+    if credentials is None or credentials.root_certificates is None:
+        return grpc.insecure_channel(address)
+    tls = grpc.ssl_channel_credentials(
+        credentials.root_certificates, credentials.private_key, credentials.certificate_chain
+    )
+    return grpc.secure_channel(address, tls)
+
+
 class Client:
-    def __init__(self, address: str):
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, credentials: Credentials | None = None):
+        self.credentials = credentials or Credentials()
+        self.channel = open_channel(address, credentials)
         self.stub = pb_grpc.JaxServeStub(self.channel)
+        self._md = self.credentials.metadata
 
     def __enter__(self) -> Client:
         return self
@@ -51,20 +79,28 @@ class Client:
         self.channel.close()
 
     def generate(self, prompt, timeout: float | None = None, **sampling) -> pb.GenerateResponse:
-        return self.stub.Generate(build_request(prompt, **sampling), timeout=timeout)
+        return self.stub.Generate(build_request(prompt, **sampling), timeout=timeout, metadata=self._md)
 
     def stream(self, prompt, timeout: float | None = None, **sampling) -> Iterator[pb.GenerateStreamResponse]:
-        yield from self.stub.StreamGenerate(build_request(prompt, **sampling), timeout=timeout)
+        """The streamed deltas; the iterator is the call, so ``.cancel()`` aborts the request."""
+        return self.stub.StreamGenerate(build_request(prompt, **sampling), timeout=timeout, metadata=self._md)
 
-    def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest())
+    def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self._md)
+
+    def server_stats(self, timeout: float | None = None) -> pb.ServerStats:
+        return self.stub.GetServerStats(pb.GetServerStatsRequest(), timeout=timeout, metadata=self._md)
 
     def abort(self, request_id: str) -> bool:
-        return self.stub.Abort(pb.AbortRequest(request_id=request_id)).found
+        return self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self._md).found
 
 
 def wait_until_serving(
-    address: str, timeout: float = 600, service: str = "", is_alive: Callable[[], bool] | None = None
+    address: str,
+    timeout: float = 600,
+    service: str = "",
+    is_alive: Callable[[], bool] | None = None,
+    credentials: Credentials | None = None,
 ) -> None:
     """Polls the standard health service until ``address`` reports SERVING.
 
@@ -72,7 +108,7 @@ def wait_until_serving(
     (e.g. a server process's liveness) returns False.
     """
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if is_alive is not None and not is_alive():

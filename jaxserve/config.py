@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
+import typing
 from typing import Any
 
 import yaml
@@ -13,6 +16,34 @@ from jaxserve.parallel import MeshConfig
 from jaxserve.parallel.multihost import DistributedConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}
+
+
+def _is(value, kind) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:  # YAML's `true` is not a count, and 16.0 is not a page size
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:  # an integer is a fine number; infinities and NaN are not
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, kind)
+
+
+def check_types(config, prefix: str = "") -> None:
+    """Checks every field of a config dataclass against its annotation, before any value
+    is used: ``kv_cache_memory_gb: lots`` is one ConfigError naming the key, not a
+    TypeError three modules later. ``X | None`` allows null."""
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        hint = hints[field.name]
+        kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        if any(value is None if k is type(None) else _is(value, k) for k in kinds):
+            continue
+        allowed = " or ".join("null" if k is type(None) else _TYPE_NAMES.get(k, k.__name__) for k in kinds)
+        if float in kinds and isinstance(value, float) and not math.isfinite(value):
+            allowed += " (finite)"
+        raise ConfigError(f"{prefix}{field.name} = {value!r}: must be {allowed}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +85,8 @@ class EngineConfig:
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
+        check_types(self)
+
         def need(key: str, ok: bool, allowed: str) -> None:
             if not ok:
                 raise ConfigError(f"{key} = {getattr(self, key)!r}: must be {allowed}")
@@ -74,6 +107,7 @@ class EngineConfig:
             self.num_pages is None or (positive_int(self.num_pages) and self.num_pages >= 2),
             "an integer >= 2",
         )
+        need("model", bool(self.model.strip()), "an alias, a Hugging Face directory or a .gguf path")
         need("kv_cache_memory_gb", self.kv_cache_memory_gb > 0, "a number > 0")
         need("max_model_len", self.max_model_len is None or positive_int(self.max_model_len), "an integer >= 1")
         need("max_num_batched_tokens", positive_int(self.max_num_batched_tokens), "an integer >= 1")
@@ -93,8 +127,6 @@ class EngineConfig:
             DistributedConfig.from_option(self.distributed)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        for key in ("static_batching", "enable_prefix_caching", "attention_interpret"):
-            need(key, isinstance(getattr(self, key), bool), "true or false")
 
     @classmethod
     def from_options(cls, **options) -> EngineConfig:

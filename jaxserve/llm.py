@@ -22,9 +22,9 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.errors import ConfigError, EngineError, RequestError
 from jaxserve.models.checkpoint import open_checkpoint
 from jaxserve.models.fetch import resolve_model
-from jaxserve.models.loading import load_model
+from jaxserve.models.loading import load_model, weight_bytes
 from jaxserve.parallel.multihost import DistributedConfig, initialize
-from jaxserve.plan import resolve_plan
+from jaxserve.plan import check_memory, device_free_bytes, resolve_plan
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 
@@ -92,6 +92,7 @@ class LLM:
         self.max_model_len = plan.max_model_len
         self.mesh = plan.mesh
         self.attention_backend = plan.backend
+        check_memory(plan, weight_bytes(mcfg, plan.dtype, plan.weight_dtype), device_free_bytes(jax.local_devices()[0]))
         self.pool = PagePool(plan.num_pages, cfg.page_size)
         model = load_model(ckpt, plan.dtype, progress=progress, mesh=plan.mesh, weight_dtype=plan.weight_dtype)
         self.runner = ModelRunner(model, plan.runner)

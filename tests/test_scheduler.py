@@ -137,3 +137,53 @@ def test_two_long_prompts_in_a_pool_that_fits_one_at_a_time():
     _run(sched)
     assert all(len(r.output_token_ids) == 3 for r in reqs)
     assert sched.pool.num_in_use == 0
+
+
+def _step(sched: Scheduler) -> list[str]:
+    out = sched.schedule()
+    sched.update(out, [1] * len(out.scheduled), [0.0] * len(out.scheduled))
+    sched.check_integrity()
+    return [r.request_id for r, _ in out.scheduled]
+
+
+def test_a_second_client_is_not_starved_by_one_clients_long_streams():
+    """Client a fills every slot with long streams and queues more; client b's short request
+    runs within a few steps (a slot is reclaimed from a), not after a's streams end."""
+    from jaxserve.engine.prefix_cache import PrefixCache
+
+    pool = PagePool(400, 4)
+    sched = Scheduler(
+        pool, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=4096, prefix_cache=PrefixCache(pool)
+    )
+    hogs = [_request(i, 8, 3000) for i in range(6)]
+    for r in hogs:
+        r.client = "a"
+        sched.add(r)
+    for _ in range(5):
+        _step(sched)
+    assert len(sched.running) == 4
+    short = _request(99, 8, 2)
+    short.client = "b"
+    sched.add(short)
+    for _ in range(4):
+        _step(sched)
+    assert short.status.is_finished, "the short request of a second client waited behind the long streams"
+    # a's victim resumes from the prefix cache, and a keeps the slots b does not need.
+    victim = next(r for r in hogs if r.num_preemptions)
+    for _ in range(3):
+        _step(sched)
+    assert victim.status.value == "running" and victim.num_cached_tokens > 8
+    assert sum(r.client == "a" for r in sched.running) == 4
+
+
+def test_admission_alternates_between_clients():
+    sched = Scheduler(PagePool(400, 4), max_num_batched_tokens=64, max_num_seqs=4, max_model_len=4096)
+    for i in range(6):
+        r = _request(i, 4, 50)
+        r.client = "a"
+        sched.add(r)
+    for i in range(6, 8):
+        r = _request(i, 4, 50)
+        r.client = "b"
+        sched.add(r)
+    assert _step(sched) == ["r0", "r6", "r1", "r7"]

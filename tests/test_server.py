@@ -186,6 +186,13 @@ INVALID = [
     (dict(prompt="hi", min_tokens=9, max_tokens=3), r"min_tokens = 9: must be an integer in \[0, max_tokens\]"),
     (dict(prompt="hi", request_id="r" * 300), "request_id: 300 characters; at most 256"),
     (dict(prompt="x" * 1_000_001), "text: 1000001 characters; at most 1000000"),
+    # Floats are checked as sent: 1e-30 was rounded to 0 (silently greedy), inf was accepted.
+    (dict(prompt="hi", temperature=1e-30), r"temperature = 1e-30: must be .*at least 0.01"),
+    (dict(prompt="hi", temperature=float("inf")), "temperature = inf: must be"),
+    (dict(prompt="hi", top_p=float("nan")), "top_p = nan: must be"),
+    # A huge bad value is not echoed back whole (it came back as RESOURCE_EXHAUSTED).
+    (dict(prompt=[{"role": "r" * 1_000_000, "content": "hi"}]), r"role = 'r{40}\.\.\.': must be one of"),
+    (dict(prompt="hi", stop=["s" * 1_000_000]), r"stop = \('s+\.\.\. \(1000005 characters\): must be"),
 ]
 
 
@@ -199,8 +206,9 @@ def test_invalid_input_is_rejected_by_name(served, kwargs, message):
     with Client(served[2]) as c:
         with pytest.raises(grpc.RpcError) as err:
             c.stub.Generate(request, timeout=60)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
-        assert re.search(message, err.value.details()), err.value.details()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()[:300]
+        assert re.search(message, err.value.details()), err.value.details()[:300]
+        assert len(err.value.details()) < 1200
         assert len(c.generate("ok", max_tokens=2, **GREEDY).token_ids) == 2  # still serving
 
 
@@ -248,7 +256,9 @@ def test_metrics_endpoint(served):
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
     for name in (
         "jaxserve_requests_waiting",
-        "jaxserve_kv_pages_used",
+        'jaxserve_kv_pages{state="held"}',
+        'jaxserve_requests_aborted_total{reason="cancelled"}',
+        'jaxserve_requests_rejected_total{reason="client_tokens"}',
         "jaxserve_time_to_first_token_seconds_bucket",
         "jaxserve_inter_token_latency_seconds_count",
         "jaxserve_generation_tokens_total",
@@ -355,3 +365,32 @@ def test_a_step_that_fails_after_donation_recreates_the_kv_cache(tiny_model_dir,
         assert llm.stats()["recoveries"] == 1
         assert llm.stats()["pages_held_by_requests"] == 0
         llm.scheduler.check_integrity()
+
+
+def test_a_slow_tokenization_does_not_stall_other_calls(served, monkeypatch):
+    """Validation (tokenizing, chat templates) runs off the event loop: while one prompt's
+    tokenization is held up, model info, other streams and health all answer."""
+    llm, _, addr, _ = served
+    release, entered = threading.Event(), threading.Event()
+    encode = llm.encode
+
+    def slow_encode(prompt):
+        if isinstance(prompt, str) and prompt.startswith("SLOW"):
+            entered.set()
+            release.wait(120)
+        return encode(prompt)
+
+    monkeypatch.setattr(llm, "encode", slow_encode)
+    result = {}
+    with Client(addr) as c:
+        slow = threading.Thread(target=lambda: result.update(r=c.generate("SLOW prompt", max_tokens=2, **GREEDY)))
+        slow.start()
+        try:
+            assert entered.wait(60)
+            assert c.model_info(timeout=20).vocab_size == 320  # a stalled loop times out here
+            assert len(list(c.stream([5, 6, 7], max_tokens=5, timeout=60, **GREEDY))) >= 1
+            assert c.generate("fast prompt", max_tokens=2, timeout=60, **GREEDY).token_ids
+        finally:
+            release.set()
+            slow.join(120)
+    assert len(result["r"].token_ids) == 2

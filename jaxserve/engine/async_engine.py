@@ -12,6 +12,8 @@ deltas travel back with ``loop.call_soon_threadsafe`` (or ``queue.put``).
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -29,7 +31,27 @@ logger = logging.getLogger(__name__)
 
 
 class QueueFullError(JaxServeError):
-    """Too many requests are waiting; retry later."""
+    """Too many requests are waiting, or this client has too much in flight; retry later."""
+
+    def __init__(self, message: str, reason: str = "queue_full"):
+        super().__init__(message)
+        self.reason = reason  # queue_full | client_requests | client_tokens
+
+
+class EngineStoppedError(JaxServeError):
+    """The engine thread has stopped (shutting down, or a failed start)."""
+
+
+class RequestIdInUseError(JaxServeError):
+    """A request with this id is already in flight."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientLimits:
+    """What one client (an identity or a peer) may have in flight at once."""
+
+    max_requests: int = 1 << 30
+    max_tokens: int = 1 << 62  # prompt + max_tokens over its requests in flight
 
 
 @dataclasses.dataclass
@@ -59,6 +81,8 @@ class Submission:
 
     push: Callable[[Delta], None]
     deltas: asyncio.Queue | queue.Queue
+    client: str = ""  # who submitted it: only they may abort it
+    tokens: int = 0  # prompt + max_tokens: its share of the client's token limit
     request: Request | None = None
     sent_tokens: int = 0
     sent_text: int = 0
@@ -73,9 +97,11 @@ class EngineThread:
         max_waiting_requests: int = 256,
         on_step: Callable | None = None,
         on_recovery: Callable[[bool], None] | None = None,
+        client_limits: ClientLimits = ClientLimits(),
     ):
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.client_limits = client_limits
         self.on_step = on_step  # called on the engine thread after each step (metrics)
         # Called with True when a failed step lost the KV cache and recovery starts, with
         # False once the engine serves again (the server's health goes NOT_SERVING between).
@@ -83,6 +109,14 @@ class EngineThread:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, Submission] = {}
         self._pending = 0  # submitted but not yet handed to the engine
+        # client -> [requests, tokens] in flight (under _lock)
+        self._in_flight: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+        # Requests ended before finishing, by why: cancelled (the caller went away or asked),
+        # error (a failed step), shutdown (drain ran out, or the thread stopped).
+        self.aborted: collections.Counter[str] = collections.Counter()
+        # Live figures, replaced whole by the engine thread after every step and every batch
+        # of commands, so readers on other threads (metrics, GetServerStats) see one moment.
+        self.snapshot: dict[str, int] = {}
         # request_id -> engine steps between abort() and the abort taking effect (metrics, tests)
         self.abort_delay_steps: dict[str, int] = {}
         self._abort_asked_at: dict[str, int] = {}
@@ -111,6 +145,11 @@ class EngineThread:
         self._warmup = warmup
         self._thread.start()
 
+    @property
+    def ready(self) -> bool:
+        """Warm-up has ended (well or not)."""
+        return self._ready.is_set()
+
     def wait_ready(self) -> None:
         """Blocks until warm-up is done; re-raises its error."""
         self._ready.wait()
@@ -131,12 +170,21 @@ class EngineThread:
     def num_active(self) -> int:
         return len(self._streams)
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
-        """Queues a request from an asyncio loop; returns the asyncio queue its deltas arrive on."""
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, client: str = "") -> asyncio.Queue:
+        """Queues a request from an asyncio loop; returns the asyncio queue its deltas arrive on.
+
+        Raises:
+            QueueFullError: the wait queue, or this client's share of it, is full.
+            RequestIdInUseError: ``request_id`` is in flight already.
+            EngineStoppedError: the thread has stopped.
+        """
         deltas: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         push = functools.partial(loop.call_soon_threadsafe, deltas.put_nowait)
-        self._submit(Submission(push, deltas, submitted_at=time.monotonic()), request_id, prompt_ids, params, True)
+        submission = Submission(
+            push, deltas, client, len(prompt_ids) + params.max_tokens, submitted_at=time.monotonic()
+        )
+        self._submit(submission, request_id, prompt_ids, params, True)
         return deltas
 
     def submit_threadsafe(
@@ -154,22 +202,62 @@ class EngineThread:
     ) -> None:
         with self._lock:
             if self._closed:
-                raise JaxServeError("the engine thread has stopped; it takes no more requests")
-            if enforce_limit and self.num_waiting >= self.max_waiting_requests:
-                raise QueueFullError(f"{self.num_waiting} requests are waiting (max_waiting_requests); retry later")
+                raise EngineStoppedError("the engine thread has stopped; it takes no more requests")
+            if enforce_limit:
+                self._check_limits(stream)
             if request_id in self._streams:
-                raise JaxServeError(f"request_id {request_id!r} is already in use")
+                raise RequestIdInUseError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream
             self._pending += 1
+            held = self._in_flight[stream.client]
+            held[0] += 1
+            held[1] += stream.tokens
         self._commands.put(("add", request_id, prompt_ids, params))
 
-    def abort(self, request_id: str) -> bool:
-        """Ends a request at the next step boundary; False if it is not running."""
-        known = request_id in self._streams
-        if known:
-            self._abort_asked_at[request_id] = self.engine.counters["steps"]
-            self._commands.put(("abort", request_id))
-        return known
+    def _check_limits(self, stream: Submission) -> None:
+        if self.num_waiting >= self.max_waiting_requests:
+            raise QueueFullError(f"{self.num_waiting} requests are waiting (max_waiting_requests); retry later")
+        requests, tokens = self._in_flight.get(stream.client, (0, 0))
+        limits = self.client_limits
+        if requests >= limits.max_requests:
+            raise QueueFullError(
+                f"this client has {requests} requests in flight (max_requests_per_client); retry later",
+                "client_requests",
+            )
+        if tokens + stream.tokens > limits.max_tokens:
+            raise QueueFullError(
+                f"this client has {tokens} tokens in flight and this request adds {stream.tokens} "
+                f"(prompt + max_tokens); max_queued_tokens_per_client is {limits.max_tokens}",
+                "client_tokens",
+            )
+
+    def _forget(self, request_id: str) -> Submission | None:
+        """Drops a request's stream and its share of its client's limits (under _lock)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            held = self._in_flight[stream.client]
+            held[0] -= 1
+            held[1] -= stream.tokens
+            if held[0] == 0:
+                del self._in_flight[stream.client]
+        return stream
+
+    def abort(self, request_id: str, client: str | None = None) -> bool:
+        """Ends a request at the next step boundary; False if it is not in flight or, with
+        ``client``, belongs to another client (whose request ids are not this caller's to see)."""
+        stream = self._streams.get(request_id)
+        if stream is None or (client is not None and stream.client != client):
+            return False
+        self._abort_asked_at[request_id] = self.engine.counters["steps"]
+        self._commands.put(("abort", request_id))
+        return True
+
+    def call(self, fn: Callable[[Engine], object], timeout: float | None = 60) -> object:
+        """Runs ``fn(engine)`` on the engine thread between steps and returns its result
+        (e.g. the scheduler's ``check_integrity`` while serving: only that thread may look inside)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, future))
+        return future.result(timeout)
 
     # -- engine thread ---------------------------------------------------------------------
     def _push(self, stream: Submission, delta: Delta) -> None:
@@ -203,12 +291,21 @@ class EngineThread:
                 self._pending -= 1
             stream = self._streams.get(request_id)
             if stream is not None:
-                stream.request = self.engine.add_request(prompt_ids, params, request_id=request_id)
+                stream.request = self.engine.add_request(
+                    prompt_ids, params, request_id=request_id, client=stream.client
+                )
+        elif command[0] == "call":
+            _, fn, future = command
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - the caller re-raises it
+                future.set_exception(e)
         elif command[0] == "abort":
             asked = self._abort_asked_at.pop(command[1], None)
             stream = self._streams.get(command[1])
             if stream is not None and stream.request is not None:
                 self.engine.abort(command[1])
+                self.aborted["cancelled"] += 1
                 self._finish(command[1], stream)
                 if asked is not None:
                     self.abort_delay_steps[command[1]] = self.engine.counters["steps"] - asked
@@ -218,7 +315,7 @@ class EngineThread:
     def _finish(self, request_id: str, stream: Submission) -> None:
         self._push(stream, self._delta(request_id, stream))
         with self._lock:
-            self._streams.pop(request_id, None)
+            self._forget(request_id)
 
     def _fail_all(self, message: str) -> None:
         for request_id, stream in list(self._streams.items()):
@@ -230,9 +327,10 @@ class EngineThread:
                 logger.exception("abort after a failed step")
             delta = self._delta(request_id, stream)
             delta.error = message
+            self.aborted["error"] += 1
             self._push(stream, delta)
             with self._lock:
-                self._streams.pop(request_id, None)
+                self._forget(request_id)
 
     def _recover(self) -> None:
         """Re-creates the KV cache if the failed step took it (requests are ended by now)."""
@@ -266,7 +364,9 @@ class EngineThread:
         with self._lock:
             self._closed = True
             streams = list(self._streams.items())
-            self._streams.clear()
+            for request_id, _ in streams:
+                self._forget(request_id)
+        self.aborted["error" if error else "shutdown"] += len(streams)
         for request_id, stream in streams:
             if stream.request is None:  # its add command never ran
                 delta = Delta(request_id, [], "", [], [], finish_reason="abort")
@@ -276,18 +376,41 @@ class EngineThread:
                 delta = self._delta(request_id, stream)
                 delta.error = error
             self._push(stream, delta)
+        self._publish()
         self.engine.release(self._thread)
 
+    def _publish(self) -> None:
+        stats = self.engine.stats()
+        self.snapshot = {
+            "requests_waiting": self.num_waiting,
+            "requests_running": stats["num_running"],
+            "kv_pages_held": stats["pages_held_by_requests"],
+            "kv_pages_cached": stats["pages_cached_only"],
+            "kv_pages_free": stats["pages_free"],
+            "kv_pages_total": stats["pages_total"],
+            "num_compiles": stats["num_compiles"],
+            "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"],
+            "prefix_cache_queried_tokens": stats["prefix_cache_queried_tokens"],
+            "prefill_tokens_computed": stats["prefill_tokens_computed"],
+            "recoveries": stats["recoveries"],
+            **{f"aborted_{reason}": n for reason, n in self.aborted.items()},
+        }
+
     def _serve(self) -> None:
+        self._publish()
         while not self._stop.is_set():
             block = not self.engine.has_unfinished()
+            handled = False
             try:
                 command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
                 self._handle(command)
+                handled = True
                 while True:  # everything that arrived meanwhile, before the next step
                     self._handle(self._commands.get_nowait())
             except queue.Empty:
                 pass
+            if handled:  # adds and aborts change the figures even when no step follows
+                self._publish()
             if not self.engine.has_unfinished():
                 continue
             try:
@@ -296,8 +419,10 @@ class EngineThread:
                 logger.exception("engine step failed; ending the requests in flight")
                 self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                 self._recover()
+                self._publish()
                 continue
             now = time.monotonic()
+            self._publish()
             if self.on_step is not None:
                 self.on_step(self, advanced, finished, now)
             done = {r.request_id for r in finished}

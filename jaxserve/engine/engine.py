@@ -128,13 +128,14 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------
     def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None, client: str = ""
     ) -> Request:
+        """Queues a request; ``client`` names who asked (fair admission shares slots by it)."""
         self._check_owner("add_request")
         request_id = request_id or f"req-{next(self._ids)}"
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        request = Request(request_id, list(prompt_token_ids), params, seed, frozenset(stop))
+        request = Request(request_id, list(prompt_token_ids), params, seed, frozenset(stop), client=client)
         self.requests[request_id] = request
         self._text[request_id] = _TextState(self.tokenizer, request)
         self.scheduler.add(request)

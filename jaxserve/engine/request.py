@@ -52,6 +52,7 @@ class Request:
     arrival: int = 0  # scheduler step at which it arrived (lpm aging)
     output_text: str = ""  # text emitted so far (never a partial character or a possible stop)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    client: str = ""  # who asked (server: identity or peer); fair admission shares slots by it
 
     @property
     def all_token_ids(self) -> list[int]:

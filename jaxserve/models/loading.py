@@ -9,6 +9,7 @@ stacked ``[L, ...]`` buffer, and put on device.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +94,13 @@ def abstract_model(
         lambda: LlamaForCausalLM(cfg, jdtype, rngs=nnx.Rngs(0), weight_dtype=weight_dtype if as_bits else None)
     )
     return cfg, model
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str = "float32", weight_dtype: str | None = None) -> int:
+    """Bytes of the model's parameters as loaded (all devices together), from shapes only."""
+    _, model = abstract_model(cfg, dtype, weight_dtype)
+    leaves = jax.tree_util.tree_leaves(nnx.state(model))
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
 
 def load_model(

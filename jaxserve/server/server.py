@@ -18,8 +18,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.engine.async_engine import EngineThread
-from jaxserve.server.config import ServerConfig
+from jaxserve.engine.async_engine import ClientLimits, EngineThread
+from jaxserve.errors import ConfigError
+from jaxserve.server.auth import TokenAuth, read_tokens
+from jaxserve.server.config import ServerConfig, grpc_address
+from jaxserve.server.interceptors import AuthInterceptor, DecodeInterceptor
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
@@ -40,17 +43,24 @@ class Server:
         self.before_serving = before_serving
         self.cfg = cfg
         self.progress = progress
-        self.metrics = Metrics()
+        self.metrics = Metrics(snapshot=lambda: self.engine_thread.snapshot)
         self.engine_thread = EngineThread(
-            llm.engine, cfg.max_waiting_requests, on_step=self.metrics.on_step, on_recovery=self._on_recovery
+            llm.engine,
+            cfg.max_waiting_requests,
+            on_step=self.metrics.on_step,
+            on_recovery=self._on_recovery,
+            client_limits=ClientLimits(cfg.max_requests_per_client, cfg.max_queued_tokens_per_client),
         )
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.servicer = JaxServeServicer(llm, self.engine_thread, model_name)
+        self.auth = TokenAuth(read_tokens(cfg.auth_tokens_file)) if cfg.auth_tokens_file else None
+        self.servicer = JaxServeServicer(llm, self.engine_thread, model_name, cfg, self.auth, self.metrics)
         self.health = HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.on_bound = None  # called once the port accepts calls (before warm-up)
         self._stop: asyncio.Event | None = None
+        self._stop_now = False  # a second stop request: skip the rest of the grace period
+        self._serving = False
         self._server: grpc.aio.Server | None = None
 
     async def _set_health(self, status) -> None:
@@ -86,32 +96,81 @@ class Server:
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # gRPC sets SO_REUSEPORT by default: a second server on a taken port would start
+            # and silently take part of the traffic. One port, one server.
+            ("grpc.so_reuseport", 0),
         ]
-        self._server = server = grpc.aio.server(options=options)
+        service = pb.DESCRIPTOR.services_by_name["JaxServe"]
+        request_types = {m.name: getattr(pb, m.input_type.name) for m in service.methods}
+        interceptors = [DecodeInterceptor(SERVICE_NAME, request_types)]
+        if self.auth is not None:  # first: an unauthenticated body is never parsed
+            interceptors.insert(0, AuthInterceptor(self.auth))
+        self._server = server = grpc.aio.server(options=options, interceptors=interceptors)
         pb_grpc.add_JaxServeServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
-        self.port = server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {self.cfg.host}:{self.cfg.port}")
+        self.port = self._bind(server)
+        if self.cfg.metrics_port is not None:  # before warm-up: a taken port fails fast
+            try:
+                self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
+            except OSError as e:
+                raise ConfigError(
+                    f"server.metrics_port = {self.cfg.metrics_port}: cannot listen on "
+                    f"{grpc_address(self.cfg.host, self.cfg.metrics_port)} ({e.strerror or e}); "
+                    f"choose a free port, or null to turn metrics off"
+                ) from None
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         if self.on_bound is not None:
             self.on_bound()
-        if self.cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
         # Warm-up runs on the engine thread, which owns the engine from here on.
         warmup = functools.partial(self.llm.runner.warmup, self.progress) if self.cfg.warmup else None
         self.engine_thread.start(warmup)
-        await asyncio.get_running_loop().run_in_executor(None, self.engine_thread.wait_ready)
+        # Polled rather than awaited in an executor: Ctrl-C during warm-up must not wait for
+        # a thread pool that is blocked until warm-up ends.
+        while not self.engine_thread.ready:
+            await asyncio.sleep(0.05)
+        self.engine_thread.wait_ready()  # re-raises a failed warm-up
         if self.before_serving is not None:
             await self.before_serving()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._serving = True
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        cfg = self.cfg
+        address = grpc_address(cfg.host, cfg.port)
+        try:
+            if cfg.tls:
+                server_credentials = grpc.ssl_server_credentials(
+                    [(_read(cfg.tls_key_file), _read(cfg.tls_cert_file))],
+                    root_certificates=_read(cfg.tls_client_ca_file) if cfg.tls_client_ca_file else None,
+                    require_client_auth=cfg.tls_client_ca_file is not None,
+                )
+                port = server.add_secure_port(address, server_credentials)
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise ConfigError(
+                f"server.port = {cfg.port}: cannot listen on {address} (the port is taken, or "
+                f"server.host is not an address of this machine)"
+            )
+        return port
+
+    @property
+    def serving(self) -> bool:
+        """Warm-up is done and SERVING has been reported (or draining has begun)."""
+        return self._serving
 
     def request_stop(self) -> None:
-        if self._stop is not None:
-            self._stop.set()
+        """The first call drains within the grace period; a second ends the drain at once."""
+        if self._stop is None:
+            return
+        if self._stop.is_set():
+            self._stop_now = True
+        self._stop.set()
 
     async def wait_and_drain(self) -> None:
         await self._stop.wait()
@@ -119,13 +178,19 @@ class Server:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.drain_grace_seconds
-        while self.engine_thread.num_active and loop.time() < deadline:
+        while self.engine_thread.num_active and loop.time() < deadline and not self._stop_now:
             await asyncio.sleep(0.05)
         # Past the grace period: the engine thread ends what is left with finish_reason abort.
         await loop.run_in_executor(None, self.engine_thread.stop)
         await asyncio.sleep(0.1)  # let the final messages reach their streams
         await self._server.stop(grace=1.0)
+        self.servicer.close()
         self.metrics.stop()
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 class ServerHandle:

@@ -1,22 +1,37 @@
 """The gRPC servicer: validates, hands requests to the engine thread, streams deltas back.
 
-A cancelled call (client cancel, deadline, disconnect) aborts its request in the engine
-at the next step boundary, which releases its pages.
+Validation (tokenizing, chat templates) runs on a small thread pool, never on the event
+loop: a 1 MB prompt must not stall every other stream. A cancelled call (client cancel,
+deadline, disconnect) aborts its request in the engine at the next step boundary, which
+releases its pages. A request belongs to the client that submitted it (its identity or
+peer): nobody else can abort it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import uuid
 
 import grpc
 
-from jaxserve.engine.async_engine import Delta, EngineThread, QueueFullError
-from jaxserve.errors import JaxServeError, RequestError
+from jaxserve.engine.async_engine import (
+    Delta,
+    EngineStoppedError,
+    EngineThread,
+    QueueFullError,
+    RequestIdInUseError,
+)
+from jaxserve.errors import RequestError
+from jaxserve.server.auth import TokenAuth, peer_identity
+from jaxserve.server.config import ServerConfig
+from jaxserve.server.metrics import Metrics
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
-from jaxserve.server.validation import validate
+from jaxserve.server.validation import Limits, validate
+
+MAX_DETAILS_CHARS = 1000  # status details travel as metadata: never echo a large input back
 
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
@@ -43,27 +58,62 @@ def _fill(msg, delta: Delta) -> None:
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
-    def __init__(self, llm, engine_thread: EngineThread, model_name: str):
+    def __init__(
+        self,
+        llm,
+        engine_thread: EngineThread,
+        model_name: str,
+        cfg: ServerConfig | None = None,
+        auth: TokenAuth | None = None,
+        metrics: Metrics | None = None,
+    ):
+        cfg = cfg or ServerConfig(metrics_port=None)
         self.llm = llm
         self.engine = engine_thread
         self.model_name = model_name
+        self.auth = auth
+        self.metrics = metrics or Metrics(lambda: engine_thread.snapshot)
+        self.limits = Limits(cfg.max_prompt_chars, cfg.max_prompt_tokens, cfg.max_tokens_limit)
         self.accepting = True
         self._ids = itertools.count()
+        # Tokenizers release the GIL while they encode: two workers keep one huge prompt from
+        # holding up everyone else's small ones.
+        self._validators = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxserve-validate")
+
+    def close(self) -> None:
+        self._validators.shutdown(wait=False, cancel_futures=True)
+
+    def client(self, context) -> str:
+        """Who is calling: the token's identity (the interceptor has checked it), or the peer."""
+        if self.auth is not None:
+            identity = self.auth.identity(context.invocation_metadata())
+            if identity is not None:
+                return f"id:{identity}"
+        return peer_identity(context)
+
+    async def _refuse(self, context, code: grpc.StatusCode, reason: str, message: str) -> None:
+        self.metrics.rejected.labels(reason).inc()
+        if len(message) > MAX_DETAILS_CHARS:
+            message = f"{message[:MAX_DETAILS_CHARS]}... (cut at {MAX_DETAILS_CHARS} characters)"
+        await context.abort(code, message)
 
     async def _start(self, request: pb.GenerateRequest, context) -> tuple[str, asyncio.Queue]:
         if not self.accepting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "shutting_down", "the server is shutting down")
+        loop = asyncio.get_running_loop()
         try:
-            ids, params = validate(request, self.llm)
+            ids, params = await loop.run_in_executor(self._validators, validate, request, self.llm, self.limits)
         except RequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e))
         request_id = request.request_id or f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         try:
-            return request_id, self.engine.submit(request_id, ids, params)
+            return request_id, self.engine.submit(request_id, ids, params, client=self.client(context))
         except QueueFullError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except JaxServeError as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, e.reason, str(e))
+        except EngineStoppedError as e:
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "shutting_down", str(e))
+        except RequestIdInUseError as e:
+            await self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, "request_id_in_use", str(e))
 
     async def _deltas(self, request_id: str, q: asyncio.Queue, context):
         try:
@@ -107,4 +157,24 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         )
 
     async def Abort(self, request, context):
-        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+        return pb.AbortResponse(found=self.engine.abort(request.request_id, client=self.client(context)))
+
+    async def GetServerStats(self, request, context):
+        s = self.engine.snapshot
+        rejected = {
+            sample.labels["reason"]: int(sample.value)
+            for metric in self.metrics.rejected.collect()
+            for sample in metric.samples
+            if sample.name.endswith("_total")
+        }
+        return pb.ServerStats(
+            requests_waiting=s.get("requests_waiting", 0),
+            requests_running=s.get("requests_running", 0),
+            kv_pages_held=s.get("kv_pages_held", 0),
+            kv_pages_cached=s.get("kv_pages_cached", 0),
+            kv_pages_free=s.get("kv_pages_free", 0),
+            kv_pages_total=s.get("kv_pages_total", 0),
+            num_compiles=s.get("num_compiles", 0),
+            requests_aborted={k[len("aborted_") :]: v for k, v in s.items() if k.startswith("aborted_")},
+            requests_rejected=rejected,
+        )

@@ -1,15 +1,37 @@
 """Turning a wire GenerateRequest into prompt token ids and SamplingParams, or a clear
-error naming the field and what is allowed (answered as INVALID_ARGUMENT)."""
+error naming the field and what is allowed (answered as INVALID_ARGUMENT).
+
+Sizes are checked before tokenizing (``server.max_prompt_chars``), then the server's caps:
+``max_prompt_tokens`` and ``max_tokens_limit``. Runs on a worker thread, not the event loop.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
 
 from jaxserve.errors import RequestError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.proto import jaxserve_pb2 as pb
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-MAX_PROMPT_CHARS = 1_000_000
 MAX_REQUEST_ID_LEN = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_prompt_chars: int = 1_000_000
+    max_prompt_tokens: int | None = None  # None: the context
+    max_tokens_limit: int | None = None  # None: the context
+
+
+def _wire_float(x: float) -> float:
+    """The float32 the client sent, as the shortest decimal that is that float32 (0.9, not
+    0.8999999761581421): exact, where rounding to 6 places turned 1e-30 into 0."""
+    return float(str(np.float32(x)))
+
+
 _OPTIONAL = (
     "max_tokens",
     "temperature",
@@ -28,13 +50,21 @@ _OPTIONAL = (
 )
 
 
-def sampling_params(msg: pb.SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
+def sampling_params(
+    msg: pb.SamplingParams, prompt_len: int, max_model_len: int, max_tokens_limit: int | None = None
+) -> SamplingParams:
     kwargs = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         if name in kwargs:
-            kwargs[name] = round(float(kwargs[name]), 6)  # float32 on the wire
+            kwargs[name] = _wire_float(kwargs[name])
     room = max_model_len - prompt_len
-    max_tokens = kwargs.setdefault("max_tokens", min(room, 1024))
+    cap = room if max_tokens_limit is None else min(room, max_tokens_limit)
+    max_tokens = kwargs.setdefault("max_tokens", min(cap, 1024))
+    if max_tokens_limit is not None and max_tokens > max_tokens_limit:
+        raise RequestError(
+            f"sampling_params.max_tokens = {max_tokens}: this server allows at most {max_tokens_limit} "
+            f"(server.max_tokens_limit)"
+        )
     if max_tokens > room:
         raise RequestError(
             f"sampling_params.max_tokens = {max_tokens}: prompt ({prompt_len} tokens) + max_tokens must be "
@@ -48,7 +78,7 @@ def sampling_params(msg: pb.SamplingParams, prompt_len: int, max_model_len: int)
         raise RequestError(f"sampling_params: {e}") from None
 
 
-def prompt_ids(msg: pb.GenerateRequest, llm) -> list[int]:
+def prompt_ids(msg: pb.GenerateRequest, llm, max_chars: int = Limits.max_prompt_chars) -> list[int]:
     """Token ids of the request's prompt (text, token ids, or chat with the template)."""
     kind = msg.WhichOneof("prompt")
     if kind is None:
@@ -56,8 +86,8 @@ def prompt_ids(msg: pb.GenerateRequest, llm) -> list[int]:
     if kind == "text":
         if not msg.text:
             raise RequestError("text: the prompt is empty")
-        if len(msg.text) > MAX_PROMPT_CHARS:
-            raise RequestError(f"text: {len(msg.text)} characters; at most {MAX_PROMPT_CHARS}")
+        if len(msg.text) > max_chars:
+            raise RequestError(f"text: {len(msg.text)} characters; at most {max_chars} (server.max_prompt_chars)")
         return llm.encode(msg.text)
     if kind == "token_ids":
         ids = list(msg.token_ids.ids)
@@ -74,18 +104,24 @@ def prompt_ids(msg: pb.GenerateRequest, llm) -> list[int]:
     total = 0
     for i, m in enumerate(msg.chat.messages):
         if m.role not in CHAT_ROLES:
-            raise RequestError(f"chat.messages[{i}].role = {m.role!r}: must be one of {', '.join(CHAT_ROLES)}")
+            role = m.role if len(m.role) <= 40 else f"{m.role[:40]}..."
+            raise RequestError(f"chat.messages[{i}].role = {role!r}: must be one of {', '.join(CHAT_ROLES)}")
         total += len(m.content)
         messages.append({"role": m.role, "content": m.content})
-    if total > MAX_PROMPT_CHARS:
-        raise RequestError(f"chat.messages: {total} characters in all; at most {MAX_PROMPT_CHARS}")
+        if total > max_chars:
+            raise RequestError(f"chat.messages: over {max_chars} characters in all (server.max_prompt_chars)")
     return llm.encode(messages)
 
 
-def validate(msg: pb.GenerateRequest, llm) -> tuple[list[int], SamplingParams]:
+def validate(msg: pb.GenerateRequest, llm, limits: Limits = Limits()) -> tuple[list[int], SamplingParams]:
     if len(msg.request_id) > MAX_REQUEST_ID_LEN:
         raise RequestError(f"request_id: {len(msg.request_id)} characters; at most {MAX_REQUEST_ID_LEN}")
-    ids = prompt_ids(msg, llm)
+    ids = prompt_ids(msg, llm, limits.max_prompt_chars)
     if len(ids) >= llm.max_model_len:
         raise RequestError(f"prompt: {len(ids)} tokens; must be shorter than max_model_len ({llm.max_model_len})")
-    return ids, sampling_params(msg.sampling_params, len(ids), llm.max_model_len)
+    if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
+        raise RequestError(
+            f"prompt: {len(ids)} tokens; this server allows at most {limits.max_prompt_tokens} "
+            f"(server.max_prompt_tokens)"
+        )
+    return ids, sampling_params(msg.sampling_params, len(ids), llm.max_model_len, limits.max_tokens_limit)

@@ -193,3 +193,43 @@ class AbortResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class GetServerStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerStats(_message.Message):
+    __slots__ = ("requests_waiting", "requests_running", "kv_pages_held", "kv_pages_cached", "kv_pages_free", "kv_pages_total", "num_compiles", "requests_aborted", "requests_rejected")
+    class RequestsAbortedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RequestsRejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_HELD_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPILES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    requests_waiting: int
+    requests_running: int
+    kv_pages_held: int
+    kv_pages_cached: int
+    kv_pages_free: int
+    kv_pages_total: int
+    num_compiles: int
+    requests_aborted: _containers.ScalarMap[str, int]
+    requests_rejected: _containers.ScalarMap[str, int]
+    def __init__(self, requests_waiting: _Optional[int] = ..., requests_running: _Optional[int] = ..., kv_pages_held: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., num_compiles: _Optional[int] = ..., requests_aborted: _Optional[_Mapping[str, int]] = ..., requests_rejected: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class JaxServeStub:
                 request_serializer=jaxserve_dot_v1_dot_jaxserve__pb2.AbortRequest.SerializeToString,
                 response_deserializer=jaxserve_dot_v1_dot_jaxserve__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.GetServerStats = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/GetServerStats',
+                request_serializer=jaxserve_dot_v1_dot_jaxserve__pb2.GetServerStatsRequest.SerializeToString,
+                response_deserializer=jaxserve_dot_v1_dot_jaxserve__pb2.ServerStats.FromString,
+                _registered_method=True)
 
 
 class JaxServeServicer:
@@ -80,7 +85,15 @@ class JaxServeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts a running request by id (as does cancelling its call).
+        """Aborts a running request by id (as does cancelling its call). Only the client that
+        submitted it may: another client's request ids read as not found.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetServerStats(self, request, context):
+        """Live figures: the same numbers the metrics endpoint serves, at this moment.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,6 +121,11 @@ def add_JaxServeServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=jaxserve_dot_v1_dot_jaxserve__pb2.AbortRequest.FromString,
                     response_serializer=jaxserve_dot_v1_dot_jaxserve__pb2.AbortResponse.SerializeToString,
+            ),
+            'GetServerStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerStats,
+                    request_deserializer=jaxserve_dot_v1_dot_jaxserve__pb2.GetServerStatsRequest.FromString,
+                    response_serializer=jaxserve_dot_v1_dot_jaxserve__pb2.ServerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +236,33 @@ class JaxServe:
             '/jaxserve.v1.JaxServe/Abort',
             jaxserve_dot_v1_dot_jaxserve__pb2.AbortRequest.SerializeToString,
             jaxserve_dot_v1_dot_jaxserve__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/GetServerStats',
+            jaxserve_dot_v1_dot_jaxserve__pb2.GetServerStatsRequest.SerializeToString,
+            jaxserve_dot_v1_dot_jaxserve__pb2.ServerStats.FromString,
             options,
             channel_credentials,
             insecure,
