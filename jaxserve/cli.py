@@ -113,7 +113,9 @@ def _bucket(text: str) -> tuple[int, int]:
 
 
 def _cmd_generate_remote(args: argparse.Namespace) -> int:
-    from jaxserve.client import Client
+    from pathlib import Path
+
+    from jaxserve.client import Client, Credentials
 
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     sampling = {
@@ -124,7 +126,12 @@ def _cmd_generate_remote(args: argparse.Namespace) -> int:
     }
     if args.seed is not None:
         sampling["seed"] = args.seed
-    with Client(args.server) as client:
+    try:
+        ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    except OSError as e:
+        raise JaxServeError(f"--tls-ca {args.tls_ca}: {e.strerror}") from None
+    credentials = Credentials(token=os.environ.get("JAXSERVE_TOKEN") or None, root_certificates=ca)
+    with Client(args.server, credentials) as client:
         for msg in client.stream(prompt, **sampling):
             sys.stdout.write(msg.text)
             sys.stdout.flush()
@@ -177,7 +184,12 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("generate", help="generate a completion and stream it to the terminal")
     p.add_argument("prompt")
-    p.add_argument("--server", default=None, help="ADDR of a running `jaxserve run` (host:port)")
+    p.add_argument(
+        "--server",
+        default=None,
+        help="ADDR of a running `jaxserve run` (host:port); a bearer token is read from $JAXSERVE_TOKEN",
+    )
+    p.add_argument("--tls-ca", default=None, help="with --server: PEM CA of a TLS server")
     p.add_argument("--config", default=None, help="YAML file of engine options (see configs/)")
     p.add_argument(
         "--model", default=None, help=f"alias (default {DEFAULT_MODEL}), Hugging Face directory or .gguf file"

@@ -80,6 +80,14 @@ class ServerConfig:
         for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file"):
             path = getattr(self, key)
             need(key, path is None or Path(path).is_file(), "null or the path of a readable file")
+        # gRPC says only "failed to bind" about a file that is not PEM: say which one it is.
+        for key, marker in (
+            ("tls_cert_file", b"-----BEGIN CERTIFICATE-----"),
+            ("tls_client_ca_file", b"-----BEGIN CERTIFICATE-----"),
+            ("tls_key_file", b"PRIVATE KEY-----"),
+        ):
+            path = getattr(self, key)
+            need(key, path is None or marker in Path(path).read_bytes(), f"a PEM file holding a {marker.decode()!r} block")
 
     @property
     def tls(self) -> bool:

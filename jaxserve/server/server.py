@@ -87,6 +87,7 @@ class Server:
             self.engine_thread.release()
             if self._server is not None:
                 await self._server.stop(None)
+            self.servicer.close()
             self.metrics.stop()
             raise
 
