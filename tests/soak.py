@@ -134,7 +134,9 @@ async def soak(addr: str, seconds: float, rate: float, vocab: int, max_tokens: i
     while time.monotonic() - start < seconds:
         kind = rng.choice(KINDS)
         counts[kind] += 1
-        tasks.append(asyncio.create_task(_one(addr, kind, random.Random(rng.getrandbits(64)), vocab, max_tokens, unexpected)))
+        tasks.append(
+            asyncio.create_task(_one(addr, kind, random.Random(rng.getrandbits(64)), vocab, max_tokens, unexpected))
+        )
         await asyncio.sleep(rng.expovariate(rate))
     results = await asyncio.gather(*tasks, return_exceptions=True)
     for r in results:
@@ -150,7 +152,11 @@ def wait_idle(server, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         snap = server.engine_thread.snapshot
-        if snap.get("requests_running") == 0 and snap.get("requests_waiting") == 0 and not server.engine_thread.num_active:
+        if (
+            snap.get("requests_running") == 0
+            and snap.get("requests_waiting") == 0
+            and not server.engine_thread.num_active
+        ):
             return snap
         time.sleep(0.05)
     raise AssertionError(f"requests still in flight after the soak: {server.engine_thread.snapshot}")

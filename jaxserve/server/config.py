@@ -87,7 +87,11 @@ class ServerConfig:
             ("tls_key_file", b"PRIVATE KEY-----"),
         ):
             path = getattr(self, key)
-            need(key, path is None or marker in Path(path).read_bytes(), f"a PEM file holding a {marker.decode()!r} block")
+            need(
+                key,
+                path is None or marker in Path(path).read_bytes(),
+                f"a PEM file holding a {marker.decode()!r} block",
+            )
 
     @property
     def tls(self) -> bool:
