@@ -368,8 +368,9 @@ def test_a_step_that_fails_after_donation_recreates_the_kv_cache(tiny_model_dir,
 
 
 def test_a_slow_tokenization_does_not_stall_other_calls(served, monkeypatch):
-    """Validation (tokenizing, chat templates) runs off the event loop: while one prompt's
-    tokenization is held up, model info, other streams and health all answer."""
+    """Validation (tokenizing, chat templates) runs off the event loop, and large prompts
+    queue apart from small ones: while three large prompts' tokenization is held up, model
+    info, small streams and small prompts all answer."""
     llm, _, addr, _ = served
     release, entered = threading.Event(), threading.Event()
     encode = llm.encode
@@ -378,13 +379,18 @@ def test_a_slow_tokenization_does_not_stall_other_calls(served, monkeypatch):
         if isinstance(prompt, str) and prompt.startswith("SLOW"):
             entered.set()
             release.wait(120)
+            return encode(prompt[:50])
         return encode(prompt)
 
     monkeypatch.setattr(llm, "encode", slow_encode)
-    result = {}
+    results = []
+    big = "SLOW " + "x" * 100_000
     with Client(addr) as c:
-        slow = threading.Thread(target=lambda: result.update(r=c.generate("SLOW prompt", max_tokens=2, **GREEDY)))
-        slow.start()
+        slow = [
+            threading.Thread(target=lambda: results.append(c.generate(big, max_tokens=2, **GREEDY))) for _ in range(3)
+        ]
+        for t in slow:
+            t.start()
         try:
             assert entered.wait(60)
             assert c.model_info(timeout=20).vocab_size == 320  # a stalled loop times out here
@@ -392,5 +398,17 @@ def test_a_slow_tokenization_does_not_stall_other_calls(served, monkeypatch):
             assert c.generate("fast prompt", max_tokens=2, timeout=60, **GREEDY).token_ids
         finally:
             release.set()
-            slow.join(120)
-    assert len(result["r"].token_ids) == 2
+            for t in slow:
+                t.join(120)
+    assert [len(r.token_ids) for r in results] == [2, 2, 2]
+
+
+def test_a_chat_template_that_refuses_the_messages_is_invalid_argument(served, monkeypatch):
+    llm, _, addr, _ = served
+    refusing = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('roles must start with user') }}{% endif %}x"
+    monkeypatch.setattr(llm.tokenizer, "chat_template", refusing)
+    with Client(addr) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate([{"role": "assistant", "content": "hi"}], max_tokens=2, **GREEDY)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "chat template refuses them: roles must start with user" in err.value.details()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jinja2
 import numpy as np
 
 from jaxserve.errors import RequestError
@@ -110,7 +111,10 @@ def prompt_ids(msg: pb.GenerateRequest, llm, max_chars: int = Limits.max_prompt_
         messages.append({"role": m.role, "content": m.content})
         if total > max_chars:
             raise RequestError(f"chat.messages: over {max_chars} characters in all (server.max_prompt_chars)")
-    return llm.encode(messages)
+    try:
+        return llm.encode(messages)
+    except jinja2.TemplateError as e:  # e.g. "roles must alternate user/assistant"
+        raise RequestError(f"chat.messages: the model's chat template refuses them: {str(e)[:300]}") from None
 
 
 def validate(msg: pb.GenerateRequest, llm, limits: Limits = Limits()) -> tuple[list[int], SamplingParams]:
