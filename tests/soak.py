@@ -9,8 +9,8 @@ CI runs a short version (tests/test_soak.py). The long version, against the defa
     python -m tests.soak --minutes 10 --config configs/test-tiny.yaml --set model=PATH
 
 It prints the counts per kind, the unexpected errors, the server's live figures after the
-run, the pages left held, integrity checks after every step, and the server's RSS at the
-start, middle and end (flat memory: the end within a bound of the middle).
+run (pages left held among them), integrity failures after steps, compiles after warm-up,
+and the server's RSS at the start, middle and end (flat memory: the end near the middle).
 """
 
 from __future__ import annotations
@@ -201,11 +201,12 @@ def main() -> None:
     from jaxserve.client import wait_until_serving
 
     wait_until_serving(addr, timeout=1800)
+    compiles = server.engine_thread.call(lambda e: e.runner.num_compiles)
     half = args.minutes * 30
     rss = [rss_bytes()]
     reports = []
-    for _ in range(2):
-        reports.append(asyncio.run(soak(addr, half, args.rate, llm.model_config.vocab_size, args.max_tokens)))
+    for i in range(2):
+        reports.append(asyncio.run(soak(addr, half, args.rate, llm.model_config.vocab_size, args.max_tokens, seed=i)))
         snap = wait_idle(server)
         rss.append(rss_bytes())
     handle.stop()
@@ -216,6 +217,7 @@ def main() -> None:
             print("  unexpected:", line)
     print(f"after: {snap}")
     print(f"integrity failures after steps: {len(failures)}")
+    print(f"compiles: {compiles} in warm-up, {snap['num_compiles'] - compiles} after")
     print(f"server RSS MiB: start {mib[0]:.0f}, after half 1 {mib[1]:.0f}, after half 2 {mib[2]:.0f}")
 
 
