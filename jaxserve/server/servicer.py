@@ -29,7 +29,7 @@ from jaxserve.server.config import ServerConfig
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
-from jaxserve.server.validation import Limits, validate
+from jaxserve.server.validation import validate
 
 MAX_DETAILS_CHARS = 1000  # status details travel as metadata: never echo a large input back
 LARGE_REQUEST_BYTES = 64 * 1024
@@ -74,7 +74,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         self.model_name = model_name
         self.auth = auth
         self.metrics = metrics or Metrics(lambda: engine_thread.snapshot)
-        self.limits = Limits(cfg.max_prompt_chars, cfg.max_prompt_tokens, cfg.max_tokens_limit)
+        self.limits = cfg  # validate reads the prompt and max_tokens caps from it
         self.accepting = True
         self._ids = itertools.count()
         # Off the event loop. Large prompts get their own worker, so a flood of them queues

@@ -7,24 +7,17 @@ Sizes are checked before tokenizing (``server.max_prompt_chars``), then the serv
 
 from __future__ import annotations
 
-import dataclasses
-
 import jinja2
 import numpy as np
 
 from jaxserve.errors import RequestError
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.config import ServerConfig
 from jaxserve.server.proto import jaxserve_pb2 as pb
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID_LEN = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    max_prompt_chars: int = 1_000_000
-    max_prompt_tokens: int | None = None  # None: the context
-    max_tokens_limit: int | None = None  # None: the context
+_DEFAULT_LIMITS = ServerConfig(metrics_port=None)
 
 
 def _wire_float(x: float) -> float:
@@ -79,7 +72,7 @@ def sampling_params(
         raise RequestError(f"sampling_params: {e}") from None
 
 
-def prompt_ids(msg: pb.GenerateRequest, llm, max_chars: int = Limits.max_prompt_chars) -> list[int]:
+def prompt_ids(msg: pb.GenerateRequest, llm, max_chars: int = ServerConfig.max_prompt_chars) -> list[int]:
     """Token ids of the request's prompt (text, token ids, or chat with the template)."""
     kind = msg.WhichOneof("prompt")
     if kind is None:
@@ -117,7 +110,9 @@ def prompt_ids(msg: pb.GenerateRequest, llm, max_chars: int = Limits.max_prompt_
         raise RequestError(f"chat.messages: the model's chat template refuses them: {str(e)[:300]}") from None
 
 
-def validate(msg: pb.GenerateRequest, llm, limits: Limits = Limits()) -> tuple[list[int], SamplingParams]:
+def validate(msg: pb.GenerateRequest, llm, limits: ServerConfig = _DEFAULT_LIMITS) -> tuple[list[int], SamplingParams]:
+    """The prompt's token ids and the sampling parameters, within ``limits`` (the server's
+    max_prompt_chars, max_prompt_tokens and max_tokens_limit)."""
     if len(msg.request_id) > MAX_REQUEST_ID_LEN:
         raise RequestError(f"request_id: {len(msg.request_id)} characters; at most {MAX_REQUEST_ID_LEN}")
     ids = prompt_ids(msg, llm, limits.max_prompt_chars)
