@@ -2,11 +2,12 @@
 
 Map (arrows point down; nothing imports upward)::
 
-    cli.py                 jaxserve fetch | generate | run
+    cli.py                 jaxserve fetch | generate | run | bench | compile
     server/, client.py     gRPC servicer, validation, health/reflection/metrics, drain; client
-    llm.py                 offline API
-    engine/                request, page_pool, radix_index, prefix_cache, scheduler (plain
-                           Python, no JAX), engine (step loop), async_engine, detokenizer
+    llm.py                 offline API (an assembled engine + generate / stream)
+    assembly.py, plan.py   config -> resolved plan -> wired engine (EngineHandle)
+    engine/                request, page_pool, radix_index, kv_manager, scheduler, output
+                           (plain Python, no JAX), engine (step loop), async_engine
     runner/                batch packing into buckets, jitted step, sampler, compile counter
     models/                config, checkpoint (HF safetensors + GGUF), loading, llama, fetch
     attention/             backend interface + AttentionMetadata

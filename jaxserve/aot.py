@@ -234,23 +234,23 @@ class StepCompiler:
             return _abstract(x, self.replicated)
         return _abstract(x, param_sharding(self.mesh, _param_name(path), x.shape))
 
-    def _inputs(self, tokens: int, seqs: int):
+    def _inputs(self, tokens: int, seqs: int, penalties: bool = False):
         cfg = self.plan.runner
-        _, md, smd = step_inputs(cfg, bucket_seqs(cfg, tokens, seqs), greedy(seqs))
-        return jax.tree.map(lambda x: _abstract(x, self.replicated), (md, smd))
+        _, inputs = step_inputs(cfg, bucket_seqs(cfg, tokens, seqs), greedy(seqs, penalties))
+        return jax.tree.map(lambda x: _abstract(x, self.replicated), inputs)
 
     def compile_forward(self, tokens: int, seqs: int) -> Compiled:
         """The model half of the step for bucket (tokens, seqs)."""
-        md, _ = self._inputs(tokens, seqs)
+        md, _, _ = self._inputs(tokens, seqs)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
             return Compiled.of(self._forward, self.state, self.kv_cache, md)
 
-    def compile_sample(self, seqs: int) -> Compiled:
-        """The sampler for sequence bucket ``seqs``."""
-        _, smd = self._inputs(seqs, seqs)
+    def compile_sample(self, seqs: int, penalties: bool = False) -> Compiled:
+        """The sampler for sequence bucket ``seqs`` (the penalised variant if asked)."""
+        _, *sampling = self._inputs(seqs, seqs, penalties)
         logits = jax.ShapeDtypeStruct((seqs, self.vocab_size), np.float32, sharding=self.replicated)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-            return Compiled.of(self._sample, logits, smd)
+            return Compiled.of(self._sample, logits, *(x for x in sampling if x is not None))
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -385,8 +385,9 @@ def report(
             f"{c.flops / 1e9:>9.1f} {c.bytes_accessed / 1e9:>7.2f} {ms:>11.2f}"
         )
     for seqs in sorted({s for _, s in pairs}):
-        c = compiler.compile_sample(seqs)
-        out(f"{'sample':>6} {seqs:>4} {c.compile_s:>9.1f} {_gb(c.peak_bytes):>7}")
+        for penalties, name in ((False, "sample"), (True, "+pen")):
+            c = compiler.compile_sample(seqs, penalties)
+            out(f"{name:>6} {seqs:>4} {c.compile_s:>9.1f} {_gb(c.peak_bytes):>7}")
     check_fits(compiler, work.weight_bytes, max(0, peak - work.weight_bytes - compiler.kv_cache_bytes))
     fit = sequences_that_fit(plan, plan.max_model_len)
     out(f"sequences that fit at max_model_len {plan.max_model_len}: {fit} (max_num_seqs {plan.runner.max_num_seqs})")

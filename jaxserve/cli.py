@@ -1,4 +1,4 @@
-"""Command line: ``jaxserve fetch | generate | run | bench``."""
+"""Command line: ``jaxserve fetch | generate | run | bench | compile``."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     import jax
 
-    from jaxserve.llm import LLM
+    from jaxserve.assembly import assemble
     from jaxserve.server.config import load_run_config
     from jaxserve.server.server import Server
 
@@ -38,13 +38,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         import dataclasses
 
         engine_cfg = dataclasses.replace(engine_cfg, cache_dir=args.cache_dir)
-    llm = LLM(config=engine_cfg, progress=not args.quiet)
+    handle = assemble(engine_cfg, progress=not args.quiet)
+    runner = handle.engine.runner
     if jax.process_index() != 0:  # multi-host follower: replay process 0's steps
         print(f"jaxserve: process {jax.process_index()} following process 0", flush=True)
-        llm.runner.follow()
+        runner.follow()
         print("jaxserve: stopped", flush=True)
         return 0
-    server = Server(llm, server_cfg, engine_cfg.model, progress=not args.quiet)
+    server = Server(handle, server_cfg, engine_cfg.model, progress=not args.quiet)
 
     async def main() -> bool:
         """Serves until SIGTERM / SIGINT; False if interrupted before serving."""
@@ -75,7 +76,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         served = asyncio.run(main())
     finally:
-        llm.runner.stop_followers()
+        runner.stop_followers()
     if not served:
         print("jaxserve: interrupted during start-up", file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -200,15 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument(
+        "--dtype", default=None, help="activation dtype (the config's allowed values; see docs/configuration.md)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("bench", help="load-test a running server and report serving metrics")
-    from jaxserve import bench as bench_module
+    from jaxserve import bench
 
-    bench_module.add_arguments(p)
-    p.set_defaults(func=lambda a: bench_module.main(a))
+    p = sub.add_parser("bench", help="benchmarks: serve | offline | latency | prefix-cache | compare")
+    bench.add_parsers(p)
 
     p = sub.add_parser(
         "compile",
@@ -232,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_cmd_run)
 
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # benchmarks print how to rerun them
     try:
         return args.func(args)
     except grpc_errors() as e:

@@ -1,4 +1,11 @@
-"""Typed, frozen engine configuration, validated with errors naming the key."""
+"""Typed, frozen engine configuration, validated with errors naming the key.
+
+Each option is declared once, as a dataclass field made by :func:`option`: its type (the
+annotation), default, allowed values (a :class:`Rule`) and doc. The YAML reader, ``--set``
+and the offline API (``LLM(**options)``) all construct the dataclass, which checks every
+field against its declaration; ``python -m jaxserve.config`` writes the options table of
+docs/configuration.md from the same declarations (a test keeps the file current).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +13,14 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import yaml
 
 from jaxserve.attention import BACKENDS
+from jaxserve.engine.kv_manager import PREFIX_MATCH_MODES
+from jaxserve.engine.scheduler import SCHEDULE_POLICIES
 from jaxserve.errors import ConfigError
 from jaxserve.parallel import MeshConfig
 from jaxserve.parallel.multihost import DistributedConfig
@@ -30,98 +40,141 @@ def _is(value, kind) -> bool:
 
 
 def check_types(config, prefix: str = "") -> None:
-    """Checks every field of a config dataclass against its annotation, before any value
-    is used: ``kv_cache_memory_gb: lots`` is one ConfigError naming the key, not a
-    TypeError three modules later. ``X | None`` allows null."""
+    """Checks every field of a config dataclass against its annotation, then against its
+    option's rule, before any value is used: ``kv_cache_memory_gb: lots`` is one
+    ConfigError naming the key, not a TypeError three modules later. ``X | None`` allows
+    null (and the rule is not asked about null)."""
     hints = typing.get_type_hints(type(config))
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        hint = hints[field.name]
-        kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-        if any(value is None if k is type(None) else _is(value, k) for k in kinds):
-            continue
-        allowed = " or ".join("null" if k is type(None) else _TYPE_NAMES.get(k, k.__name__) for k in kinds)
-        if float in kinds and isinstance(value, float) and not math.isfinite(value):
-            allowed += " (finite)"
-        raise ConfigError(f"{prefix}{field.name} = {value!r}: must be {allowed}")
+        kinds = _kinds(hints[field.name])
+        if not any(value is None if k is type(None) else _is(value, k) for k in kinds):
+            allowed = " or ".join("null" if k is type(None) else _TYPE_NAMES.get(k, k.__name__) for k in kinds)
+            if float in kinds and isinstance(value, float) and not math.isfinite(value):
+                allowed += " (finite)"
+            raise ConfigError(f"{prefix}{field.name} = {value!r}: must be {allowed}")
+        rule = field.metadata.get("rule")
+        if rule is not None and value is not None and not rule.ok(value):
+            raise ConfigError(f"{prefix}{field.name} = {value!r}: must be {rule.describe(type(None) in kinds)}")
+
+
+def _kinds(hint) -> tuple:
+    return typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """The values an option allows: the check, and the words its error and the docs use."""
+
+    ok: Callable[[Any], bool]
+    allowed: str
+
+    def describe(self, nullable: bool) -> str:
+        return f"{self.allowed} (or null)" if nullable else self.allowed
+
+
+def one_of(*values) -> Rule:
+    return Rule(lambda v: v in values, "one of " + ", ".join(map(str, values)))
+
+
+def at_least(n: int | float, what: str = "an integer") -> Rule:
+    return Rule(lambda v: v >= n, f"{what} >= {n}")
+
+
+def above(n: int | float, what: str = "a number") -> Rule:
+    return Rule(lambda v: v > n, f"{what} > {n}")
+
+
+def option(default, doc: str, rule: Rule | None = None):
+    """A config field: default, doc (one sentence or two) and the rule its values follow."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "rule": rule})
+
+
+def options_table(cls, prefix: str = "") -> str:
+    """The markdown table of a config dataclass's options (docs/configuration.md)."""
+    hints = typing.get_type_hints(cls)
+    rows = ["| option | type | default | allowed | what it does |", "|---|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        kinds = _kinds(hints[f.name])
+        kind = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+        rule = f.metadata.get("rule")
+        allowed = rule.describe(type(None) in kinds) if rule else ""
+        default = "null" if f.default is None else repr(f.default).lower() if isinstance(f.default, bool) else f.default
+        rows.append(f"| `{prefix}{f.name}` | {kind} | `{default}` | {allowed} | {f.metadata.get('doc', '')} |")
+    return "\n".join(rows)
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine options. ``None`` means "derive from the model and the platform"."""
 
-    model: str = "smollm2-135m-instruct"
-    dtype: str | None = None  # float32 on CPU, bfloat16 on accelerators
-    # Storage + matmul dtype of the decoder layers' linear weights (default: dtype); the
-    # embedding, LM head, norms, residuals and attention math keep dtype. On CPUs with
-    # bfloat16 units (AMX, AVX512-BF16), bfloat16 under float32 activations runs the
-    # layers' matmuls ~2.5x faster (README, Performance).
-    weight_dtype: str | None = None
-    # Storage dtype of the KV cache (default: dtype). bfloat16 under float32 activations
-    # halves the bytes attention reads; attention widens them to float32.
-    kv_cache_dtype: str | None = None
-    page_size: int = 16
-    num_pages: int | None = None  # derived from kv_cache_memory_gb when unset
-    kv_cache_memory_gb: float = 2.0
-    max_model_len: int | None = None  # the model's context, capped at 8192
-    max_num_batched_tokens: int = 256
-    max_num_seqs: int = 32
-    # Smallest token bucket. On XLA:CPU a matmul's rows are bitwise identical for every
-    # row count >= 64, so 64 makes a request's tokens independent of what else is batched
-    # (at the cost of 64 rows of work for a lone decode). None = min(64, max_num_batched_tokens).
-    min_token_bucket: int | None = None
-    # auto: Pallas kernels on TPU / GPU, the pure-JAX reference on CPU.
-    attention_backend: str = "auto"
-    attention_interpret: bool = False  # Pallas kernels in interpret mode (CPU testing; slow)
-    # Tensor parallelism: {data: 1, model: N} shards weights and KV heads over N devices.
-    mesh: dict | None = None
-    # Multi-host: 'auto' or {coordinator_address, num_processes, process_id} (multihost.py).
-    distributed: str | dict | None = None
-    static_batching: bool = False  # baseline for benchmarks: no request joins a running batch
-    enable_prefix_caching: bool = True
-    prefix_match: str = "token"  # token (radix, exact divergence point) | page (whole pages only)
-    schedule_policy: str = "fcfs"  # fcfs | lpm (longest cached prefix first, with aging)
-    lpm_aging_steps: int = 64  # lpm: a request waiting this many steps goes first
-    cache_dir: str | None = None
+    model: str = option(
+        "smollm2-135m-instruct",
+        "An alias (`jaxserve fetch --list`), a Hugging Face directory or a .gguf file.",
+        Rule(lambda v: bool(v.strip()), "an alias, a Hugging Face directory or a .gguf path"),
+    )
+    dtype: str | None = option(
+        None,
+        "Activation dtype; null: float32 on CPU (exact against transformers), bfloat16 on accelerators.",
+        one_of(*DTYPES),
+    )
+    weight_dtype: str | None = option(
+        None,
+        "Storage and matmul dtype of the decoder layers' linear weights (null: dtype). The embedding, LM head, "
+        "norms and attention math keep dtype; on CPUs with bfloat16 units, bfloat16 under float32 activations "
+        "runs the layers ~2.5x faster.",
+        one_of(*DTYPES),
+    )
+    kv_cache_dtype: str | None = option(
+        None, "Storage dtype of the KV cache (null: dtype); attention widens it to float32.", one_of(*DTYPES)
+    )
+    page_size: int = option(16, "Tokens per KV page.", one_of(8, 16, 32, 64, 128))
+    num_pages: int | None = option(
+        None, "KV pages, page 0 the scratch page (null: from kv_cache_memory_gb).", at_least(2)
+    )
+    kv_cache_memory_gb: float = option(2.0, "KV cache size when num_pages is null.", above(0))
+    max_model_len: int | None = option(
+        None, "Context limit (null: the model's, capped at 8192 and at what the pages hold).", at_least(1)
+    )
+    max_num_batched_tokens: int = option(
+        256, "Tokens per step (the chunked-prefill budget); also the largest token bucket.", at_least(1)
+    )
+    max_num_seqs: int = option(32, "Sequences per step; also the largest sequence bucket.", at_least(1))
+    min_token_bucket: int | None = option(
+        None,
+        "Smallest token bucket (null: min(64, max_num_batched_tokens)): from 64 rows up, XLA:CPU's matmul "
+        "rows are bitwise identical for every row count, so a request's tokens do not depend on its batch.",
+        at_least(1),
+    )
+    attention_backend: str = option(
+        "auto", "auto: Pallas kernels on TPU / GPU, the C++ kernel on CPU.", one_of(*BACKENDS)
+    )
+    attention_interpret: bool = option(False, "Pallas kernels in interpret mode (CPU testing; slow).")
+    mesh: dict | None = option(
+        None, "Tensor parallelism: `{data: 1, model: N}` shards weights and KV heads over N devices."
+    )
+    distributed: str | dict | None = option(
+        None, "Multi-host: `auto` or `{coordinator_address, num_processes, process_id}`."
+    )
+    enable_prefix_caching: bool = option(True, "Reuse cached K/V of shared prefixes (radix tree, token granularity).")
+    prefix_match: str = option(
+        "token",
+        "token: reuse up to the exact divergence token (copy-on-write of the last page); page: whole pages only.",
+        one_of(*PREFIX_MATCH_MODES),
+    )
+    schedule_policy: str = option(
+        "fcfs", "fcfs, or lpm: longest cached prefix first, with aging.", one_of(*SCHEDULE_POLICIES)
+    )
+    lpm_aging_steps: int = option(64, "lpm: a request that has waited this many steps goes first.", at_least(1))
+    cache_dir: str | None = option(None, "Model cache (null: $XDG_CACHE_HOME/jaxserve).")
 
     def __post_init__(self) -> None:
         check_types(self)
-
-        def need(key: str, ok: bool, allowed: str) -> None:
-            if not ok:
-                raise ConfigError(f"{key} = {getattr(self, key)!r}: must be {allowed}")
-
-        def positive_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-        need("dtype", self.dtype is None or self.dtype in DTYPES, f"one of {', '.join(DTYPES)}")
-        need("weight_dtype", self.weight_dtype is None or self.weight_dtype in DTYPES, f"one of {', '.join(DTYPES)}")
-        need(
-            "kv_cache_dtype",
-            self.kv_cache_dtype is None or self.kv_cache_dtype in DTYPES,
-            f"one of {', '.join(DTYPES)}",
-        )
-        need("page_size", self.page_size in (8, 16, 32, 64, 128), "one of 8, 16, 32, 64, 128")
-        need(
-            "num_pages",
-            self.num_pages is None or (positive_int(self.num_pages) and self.num_pages >= 2),
-            "an integer >= 2",
-        )
-        need("model", bool(self.model.strip()), "an alias, a Hugging Face directory or a .gguf path")
-        need("kv_cache_memory_gb", self.kv_cache_memory_gb > 0, "a number > 0")
-        need("max_model_len", self.max_model_len is None or positive_int(self.max_model_len), "an integer >= 1")
-        need("max_num_batched_tokens", positive_int(self.max_num_batched_tokens), "an integer >= 1")
-        need("max_num_seqs", positive_int(self.max_num_seqs), "an integer >= 1")
-        need(
-            "min_token_bucket",
-            self.min_token_bucket is None
-            or (positive_int(self.min_token_bucket) and self.min_token_bucket <= self.max_num_batched_tokens),
-            "an integer in [1, max_num_batched_tokens]",
-        )
-        need("attention_backend", self.attention_backend in BACKENDS, f"one of {', '.join(BACKENDS)}")
-        need("prefix_match", self.prefix_match in ("token", "page"), "one of token, page")
-        need("schedule_policy", self.schedule_policy in ("fcfs", "lpm"), "one of fcfs, lpm")
-        need("lpm_aging_steps", positive_int(self.lpm_aging_steps), "an integer >= 1")
+        if self.min_token_bucket is not None and self.min_token_bucket > self.max_num_batched_tokens:
+            raise ConfigError(
+                f"min_token_bucket = {self.min_token_bucket}: must be at most max_num_batched_tokens "
+                f"({self.max_num_batched_tokens})"
+            )
         try:
             MeshConfig.from_option(self.mesh)
             DistributedConfig.from_option(self.distributed)
@@ -163,3 +216,37 @@ def read_config_file(path: str | None, overrides: list[str] = ()) -> dict[str, A
                 raise ConfigError(f"--set {key}: {k} is not a section")
         node[leaf] = yaml.safe_load(raw)
     return data
+
+
+def main() -> None:
+    """Prints docs/configuration.md (``python -m jaxserve.config > docs/configuration.md``)."""
+    from jaxserve.server.config import ServerConfig
+
+    print(DOC_HEADER)
+    print(options_table(EngineConfig))
+    print(SERVER_DOC)
+    print(options_table(ServerConfig, "server."))
+
+
+DOC_HEADER = """# Configuration
+
+Generated from the declarations in `jaxserve/config.py` and `jaxserve/server/config.py` by
+`python -m jaxserve.config > docs/configuration.md` (a test fails when it is out of date).
+
+Engine options are the top-level keys of a `jaxserve run --config` YAML file, `--set KEY=VALUE`
+overrides (on `jaxserve run` and every `jaxserve bench` that builds an engine) and keyword
+arguments of the offline `LLM(...)`. Unknown keys and bad values are rejected with one message
+naming the key and what it allows.
+
+## Engine
+"""
+
+SERVER_DOC = """
+## Server
+
+The `server:` section of a `jaxserve run` config (`--set server.port=50052`).
+"""
+
+
+if __name__ == "__main__":
+    main()

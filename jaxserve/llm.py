@@ -13,23 +13,13 @@ from typing import Any
 
 import jax
 
+from jaxserve.assembly import ChatMessages, EngineHandle, Prompt, assemble
 from jaxserve.config import EngineConfig
-from jaxserve.engine.engine import Engine
-from jaxserve.engine.page_pool import PagePool
-from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.request import Request
-from jaxserve.engine.scheduler import Scheduler
 from jaxserve.errors import ConfigError, EngineError, RequestError
-from jaxserve.models.checkpoint import open_checkpoint
-from jaxserve.models.fetch import resolve_model
-from jaxserve.models.loading import load_model, weight_bytes
-from jaxserve.parallel.multihost import DistributedConfig, initialize
-from jaxserve.plan import check_memory, device_free_bytes, resolve_plan
-from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 
-ChatMessages = list[dict[str, str]]
-Prompt = str | list[int] | ChatMessages
+__all__ = ["LLM", "ChatMessages", "Prompt", "RequestOutput"]
 
 
 @dataclasses.dataclass
@@ -54,7 +44,7 @@ def _output(r: Request) -> RequestOutput:
     want = r.params.logprobs is not None
     return RequestOutput(
         prompt_token_ids=r.prompt_token_ids,
-        token_ids=list(r.output_token_ids),
+        token_ids=r.output_token_ids,
         text=r.output_text,
         finish_reason=r.finish_reason or "abort",
         stop_reason=r.stop_reason,
@@ -80,62 +70,17 @@ class LLM:
         if config is not None and engine_options:
             raise ConfigError("give either config= or engine options, not both")
         self.config = config or EngineConfig.from_options(model=model, **engine_options)
-        cfg = self.config
-        distributed = DistributedConfig.from_option(cfg.distributed)
-        if distributed is not None:  # before anything else touches JAX
-            initialize(distributed)
-        ckpt = open_checkpoint(resolve_model(cfg.model, cfg.cache_dir))
-        self.model_config = mcfg = ckpt.config
-        self.tokenizer = ckpt.tokenizer()
-        self.plan = plan = resolve_plan(cfg, mcfg)
-        self.dtype = plan.dtype
-        self.max_model_len = plan.max_model_len
-        self.mesh = plan.mesh
-        self.attention_backend = plan.backend
-        check_memory(plan, weight_bytes(mcfg, plan.dtype, plan.weight_dtype), device_free_bytes(jax.local_devices()[0]))
-        self.pool = PagePool(plan.num_pages, cfg.page_size)
-        model = load_model(ckpt, plan.dtype, progress=progress, mesh=plan.mesh, weight_dtype=plan.weight_dtype)
-        self.runner = ModelRunner(model, plan.runner)
-        self.eos_token_ids = set(mcfg.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.scheduler = Scheduler(
-            self.pool,
-            cfg.max_num_batched_tokens,
-            cfg.max_num_seqs,
-            self.max_model_len,
-            static_batching=cfg.static_batching,
-            prefix_cache=PrefixCache(self.pool, cfg.prefix_match) if cfg.enable_prefix_caching else None,
-            schedule_policy=cfg.schedule_policy,
-            lpm_aging_steps=cfg.lpm_aging_steps,
-        )
-        self.engine = Engine(
-            self.runner, self.scheduler, self.tokenizer, self.eos_token_ids, keep_step_records=keep_step_records
-        )
+        self.handle: EngineHandle = assemble(self.config, progress, keep_step_records)
+        h = self.handle
+        self.engine, self.tokenizer, self.model_config, self.plan = h.engine, h.tokenizer, h.model_config, h.plan
+        # The parts, for tests and benchmarks that look inside.
+        self.runner, self.scheduler, self.kv = h.engine.runner, h.engine.scheduler, h.engine.scheduler.kv
+        self.max_model_len = h.max_model_len
+        self.attention_backend = h.plan.backend
 
-    # -- prompts -------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a text, token-id list or chat message list (template applied)."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            for i, m in enumerate(prompt):
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise RequestError(f"messages[{i}] must have string 'role' and 'content'")
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise RequestError(
-                    f"prompt token id {bad[0]} is out of range; allowed: 0..{self.model_config.vocab_size - 1}"
-                )
-        else:
-            raise RequestError("a prompt must be a string, a list of token ids, or a list of chat messages")
-        if not ids:
-            raise RequestError("the prompt is empty")
-        return ids
+        return self.handle.encode(prompt)
 
     @staticmethod
     def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -23,6 +23,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
 from jaxserve.models.config import ModelConfig
 from jaxserve.parallel import MeshConfig, check_divisible, make_mesh
+from jaxserve.runner.batch import MIN_TOKEN_BUCKET
 from jaxserve.runner.model_runner import RunnerConfig
 from pallas_kernels.ragged_paged_attention import cpu as cpu_attention
 
@@ -169,7 +170,7 @@ def resolve_plan(
         max_model_len=max_model_len,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs,
-        min_token_bucket=cfg.min_token_bucket or min(64, cfg.max_num_batched_tokens),
+        min_token_bucket=cfg.min_token_bucket or min(MIN_TOKEN_BUCKET, cfg.max_num_batched_tokens),
         min_seq_bucket=2 if platform == "cpu" else 8,
         attention_backend=backend,
         kv_cache_dtype=kv_dtype,

@@ -138,7 +138,7 @@ def main() -> None:
     overrides = [*args.set, "server.port=0", "server.metrics_port=null", f"server.auth_tokens_file={tokens}"]
     engine_cfg, server_cfg = load_run_config(args.config, overrides)
     llm = LLM(config=engine_cfg, progress=False)
-    server = Server(llm, server_cfg, engine_cfg.model, progress=False)
+    server = Server(llm.handle, server_cfg, engine_cfg.model, progress=False)
     handle = ServerHandle(server)
     addr = f"127.0.0.1:{handle.start()}"
     wait_until_serving(addr, timeout=1800)

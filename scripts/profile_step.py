@@ -1,7 +1,7 @@
 """Time one decode step (32 sequences at ~264 tokens of context) and one 256-token
 prefill step of SmolLM2, with and without attention, to split a step's device time.
 
-    python scripts/profile_step.py [--weight-dtype bfloat16] [--kv-cache-dtype bfloat16]
+    python scripts/profile_step.py [--config FILE] [--set weight_dtype=bfloat16 --set kv_cache_dtype=bfloat16]
 
 "Without attention" replaces the KV write + attention with a pass-through, so the
 difference is what attention costs. Not a test: timings on shared machines are noisy.
@@ -15,31 +15,23 @@ import time
 
 from jaxserve import LLM
 from jaxserve.attention import AttentionBackend
+from jaxserve.bench import add_engine_options, engine_config
 from jaxserve.runner.batch import ScheduledSeq
 from jaxserve.runner.model_runner import greedy
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--weight-dtype", default=None)
-    ap.add_argument("--kv-cache-dtype", default=None)
+    add_engine_options(ap)
     ap.add_argument("--iters", type=int, default=5)
     args = ap.parse_args()
     real = AttentionBackend.write_and_attend
     for stub in (False, True):
         if stub:  # a pass-through: output = q, cache unchanged
             AttentionBackend.write_and_attend = lambda self, q, k, v, kv_cache, *a, **kw: (q, kv_cache)
-        llm = LLM(
-            args.model,
-            progress=False,
-            max_num_seqs=32,
-            max_num_batched_tokens=256,
-            weight_dtype=args.weight_dtype,
-            kv_cache_dtype=args.kv_cache_dtype,
-        )
+        llm = LLM(config=engine_config(args, "max_num_seqs=32", "max_num_batched_tokens=256"), progress=False)
         runner = llm.runner
-        pages = [llm.pool.allocate(17) for _ in range(32)]
+        pages = [llm.kv.pool.allocate(17) for _ in range(32)]
         decode = [ScheduledSeq([5], 263, pages[i]) for i in range(32)]
         prefill = [ScheduledSeq([5] * 128, 72, pages[0]), ScheduledSeq([5] * 128, 0, pages[1])]
         times = []

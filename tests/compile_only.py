@@ -112,10 +112,12 @@ def config_compiler(config: str, topology: str, arch: str = "llama3-8b") -> aot.
 
 
 def compile_every_bucket(compiler: aot.StepCompiler) -> tuple[list, list]:
-    """Forward programs of every bucket pair and samplers of every sequence bucket."""
+    """Forward programs of every bucket pair and samplers (both variants: with and
+    without penalties) of every sequence bucket."""
     pairs = compiler.plan.runner.bucket_pairs
     forwards = [compiler.compile_forward(*pair) for pair in pairs]
-    return forwards, [compiler.compile_sample(s) for s in sorted({s for _, s in pairs})]
+    seqs = sorted({s for _, s in pairs})
+    return forwards, [compiler.compile_sample(s, penalties) for s in seqs for penalties in (False, True)]
 
 
 def check_step_reports(compiler: aot.StepCompiler, forwards: list) -> None:

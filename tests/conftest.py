@@ -141,7 +141,7 @@ def serve_llm(llm, config):
     """A real gRPC server over ``llm`` on a free loopback port: (server, address)."""
     from jaxserve.server.server import Server, ServerHandle
 
-    handle = ServerHandle(Server(llm, config, "tiny", progress=False))
+    handle = ServerHandle(Server(llm.handle, config, "tiny", progress=False))
     try:
         yield handle.server, f"127.0.0.1:{handle.start()}"
     finally:

@@ -59,11 +59,11 @@ def _llm(path: str, mesh, **kw) -> LLM:
 
 
 def _prompt_logits(llm: LLM, ids: list[int]) -> np.ndarray:
-    pages = llm.pool.allocate(llm.pool.pages_needed(len(ids)))
+    pages = llm.kv.pool.allocate(llm.kv.pool.pages_needed(len(ids)))
     try:
         return llm.runner.logits([ScheduledSeq(ids, 0, pages)])
     finally:
-        llm.pool.release(pages)
+        llm.kv.pool.release(pages)
 
 
 def _shard_shapes(x: jax.Array) -> list[list[int]]:

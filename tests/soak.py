@@ -194,7 +194,7 @@ def main() -> None:
     args = p.parse_args()
     engine_cfg, server_cfg = load_run_config(args.config, [*args.set, "server.port=0", "server.metrics_port=null"])
     llm = LLM(config=engine_cfg, progress=False)
-    server = Server(llm, server_cfg, engine_cfg.model, progress=False)
+    server = Server(llm.handle, server_cfg, engine_cfg.model, progress=False)
     failures = check_every_step(server)
     handle = ServerHandle(server)
     addr = f"127.0.0.1:{handle.start()}"

@@ -180,7 +180,7 @@ def test_bad_prompts(tiny_model_dir):
         llm.generate([[1] * 80])
     with pytest.raises(RequestError, match=r"messages\[0\] must have string 'role' and 'content'"):
         llm.generate([[{"role": "user"}]])
-    assert llm.pool.num_in_use == 0
+    assert llm.kv.pool.num_in_use == 0
     out = llm.generate("The capital", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 3  # still serving after the errors
 

@@ -1,8 +1,11 @@
-"""`jaxserve bench` against a real (tiny) server: every workload completes and reports."""
+"""`jaxserve bench`: every serve workload against a real (tiny) server, and the engine benchmarks
+(offline, latency, prefix-cache) on a tiny model, complete and report."""
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +49,7 @@ def test_bench_workloads_report_metrics(addr, tmp_path, capsys, workload, extra)
     out = tmp_path / "report.json"
     args = [
         "bench",
+        "serve",
         "--server",
         addr,
         "--workload",
@@ -71,3 +75,46 @@ def test_bench_workloads_report_metrics(addr, tmp_path, capsys, workload, extra)
         assert s["prefix_cache_hit_rate"] > 0.3
     if workload == "long-prompt-interference":
         assert report["steady"]["requests"] == 2 and report["long"]["requests"] >= 1
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _engine_args(path) -> list[str]:
+    return ["--config", str(ROOT / "configs" / "test-tiny.yaml"), "--set", f"model={path}", "--quiet"]
+
+
+def test_bench_offline_rows_agree_on_greedy_outputs(tiny_model_dir, capsys):
+    """Every row runs the same greedy workload: the config, a variant and static batching
+    produce the same outputs (same digest), static batching in more steps."""
+    path, _ = tiny_model_dir("llama3")
+    args = ["bench", "offline", *_engine_args(path), "--requests", "12", "--prompt", "5:40", "--output", "2:12"]
+    assert main([*args, "--variant", "fcfs-4:max_num_seqs=4", "--static"]) == 0
+    printed = capsys.readouterr().out
+    profiles = dict(re.findall(r"^  ([\w -]+): (\d+ steps, compiles after warm-up 0, outputs \w+);", printed, re.M))
+    assert set(profiles) == {"config", "fcfs-4", "static batching"}, printed
+    digests = {p.rsplit(" ", 1)[1] for p in profiles.values()}
+    assert len(digests) == 1, printed
+    steps = {name: int(p.split()[0]) for name, p in profiles.items()}
+    assert steps["static batching"] > steps["config"]
+    assert "output tok/s" in printed and "cpu: " in printed and "command: jaxserve bench offline" in printed
+
+
+def test_bench_latency_and_prefix_cache_report(tiny_model_dir, capsys):
+    path, _ = tiny_model_dir("llama3")
+    assert main(["bench", "latency", *_engine_args(path), "--prompt-len", "40", "--new-tokens", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"prefill 40 tokens: \d+ ms", printed) and re.search(
+        r"decode at batch 1: [\d.]+ ms/token", printed
+    )
+    args = ["bench", "prefix-cache", *_engine_args(path), "--groups", "2", "--questions", "3"]
+    assert main([*args, "--system-len", "40", "--question-len", "5", "--output-len", "2"]) == 0
+    rows = re.findall(r"^shared prefix 40 +(\w+) +(\d+) ", capsys.readouterr().out, re.M)
+    computed = dict(rows)
+    assert set(computed) == {"off", "page", "token"}
+    assert int(computed["token"]) < int(computed["off"])  # the shared prefix was computed once per group
+
+
+def test_bench_variant_errors_name_the_format(capsys):
+    assert main(["bench", "offline", "--variant", "nothing"]) == 2
+    assert "--variant 'nothing': expected NAME:KEY=VALUE" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""scripts/compare.py drives real `jaxserve run` servers and `jaxserve bench` end to end."""
+"""`jaxserve bench compare` drives real `jaxserve run` servers and `jaxserve bench serve` end to end."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_compare_runs_two_variants_side_by_side(tiny_model_dir):
     path, _ = tiny_model_dir("llama3")
     cmd = [
-        sys.executable, str(ROOT / "scripts" / "compare.py"), "custom",
+        sys.executable, "-m", "jaxserve.cli", "bench", "compare", "custom",
         "--config", str(ROOT / "configs" / "test-tiny.yaml"), "--set", f"model={path}",
         "--variant", "a:max_num_seqs=2", "--variant", "b:max_num_seqs=8,enable_prefix_caching=false",
         "--bench-args=--workload random --num-requests 8 --vocab 320 --output-len 4:8 --input-len 5:20",

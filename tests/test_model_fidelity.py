@@ -35,7 +35,7 @@ def test_prompt_logits_match_transformers(tiny_model_dir, arch):
     path, hf = tiny_model_dir(arch)
     llm = _llm(path)
     ids = rng_tokens(61, hf.config.vocab_size, seed=3)  # 61 tokens: 8 pages, the last one partial
-    pages = llm.pool.allocate(llm.pool.pages_needed(len(ids)))
+    pages = llm.kv.pool.allocate(llm.kv.pool.pages_needed(len(ids)))
     ours = llm.runner.logits([ScheduledSeq(ids, 0, pages)])
     ref = _hf_logits(hf, ids)
     assert np.abs(ours - ref).max() < 1e-4
@@ -47,7 +47,7 @@ def test_chunked_prefill_logits_match_transformers(tiny_model_dir, arch):
     path, hf = tiny_model_dir(arch)
     llm = _llm(path)
     ids = rng_tokens(50, hf.config.vocab_size, seed=4)
-    pages = llm.pool.allocate(llm.pool.pages_needed(len(ids)))
+    pages = llm.kv.pool.allocate(llm.kv.pool.pages_needed(len(ids)))
     parts = [llm.runner.logits([ScheduledSeq(ids[a:b], a, pages)]) for a, b in ((0, 13), (13, 32), (32, 50))]
     ref = _hf_logits(hf, ids)
     assert np.abs(np.concatenate(parts) - ref).max() < 1e-4
@@ -84,7 +84,7 @@ def test_bfloat16_weights_with_float32_activations(tiny_model_dir, kv_cache_dtyp
     kv_dtype = jnp.uint16 if kv_cache_dtype else jnp.float32
     assert layers["input_norm"][...].dtype == jnp.float32 and llm.runner.kv_cache.dtype == kv_dtype
     ids = rng_tokens(40, hf.config.vocab_size, seed=5)
-    pages = llm.pool.allocate(llm.pool.pages_needed(len(ids)))
+    pages = llm.kv.pool.allocate(llm.kv.pool.pages_needed(len(ids)))
     ours = llm.runner.logits([ScheduledSeq(ids, 0, pages)])
     assert ours.dtype == np.float32
     assert np.abs(ours - _hf_logits(hf, ids)).max() < 5e-2  # bfloat16 weight rounding (logits are O(1))

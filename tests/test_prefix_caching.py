@@ -7,8 +7,7 @@ import random
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.page_pool import PagePool
-from jaxserve.engine.prefix_cache import PrefixCache
+from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 
@@ -103,7 +102,7 @@ def test_small_pool_evicts_lru_and_never_a_running_request(tiny_path):
         llm.engine.step()
         llm.scheduler.check_integrity()  # pages of running requests are all accounted for
     assert all(len(r.output_token_ids) == 8 for r in reqs)
-    index = llm.scheduler.cache.index
+    index = llm.kv.index
     cached = [index.match(p)[0] for p in prompts]
     assert cached[-1] > 0 and cached[0] == 0  # the newest survive, the oldest went first
 
@@ -114,21 +113,20 @@ def _req(i: int, tokens: list[int]) -> Request:
 
 @pytest.mark.parametrize("aging, admitted", [(8, True), (10**6, False)])
 def test_lpm_aging_admits_a_cold_request(aging, admitted):
-    pool = PagePool(400, 4)
-    sched = Scheduler(pool, 16, 2, 256, prefix_cache=PrefixCache(pool), schedule_policy="lpm", lpm_aging_steps=aging)
+    sched = Scheduler(KVManager(400, 4), 16, 2, 256, schedule_policy="lpm", lpm_aging_steps=aging)
     hot_prefix = list(range(40))
     warm = _req(0, hot_prefix + [99])
     sched.add(warm)
     while sched.has_unfinished():
         out = sched.schedule()
-        sched.update(out, [1] * len(out.scheduled), [0.0] * len(out.scheduled))
+        sched.update(out, [1] * len(out.scheduled))
     cold = _req(1, [300 + i for i in range(40)])
     sched.add(cold)
     for step in range(40):
         for k in range(3):  # a stream of hot requests, more than the batch can take
             sched.add(_req(100 + 3 * step + k, hot_prefix + [200 + 3 * step + k]))
         out = sched.schedule()
-        sched.update(out, [1] * len(out.scheduled), [0.0] * len(out.scheduled))
+        sched.update(out, [1] * len(out.scheduled))
         sched.check_integrity()
         if cold.status is not RequestStatus.WAITING:
             break

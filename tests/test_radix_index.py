@@ -1,4 +1,4 @@
-"""RadixIndex against a naive model, property-based (hypothesis).
+"""The KV manager and its radix index against a naive model, property-based (hypothesis).
 
 A simulated KV store records which token each page slot holds, so the test checks not
 just match lengths but that the pages returned by a match really hold the matched
@@ -10,8 +10,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.engine.page_pool import PagePool
-from jaxserve.engine.radix_index import RadixIndex
+from jaxserve.engine.kv_manager import KVManager
+from jaxserve.engine.request import Request
+from jaxserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
 
 
 def _lcp(a, b) -> int:
@@ -22,65 +25,53 @@ def _lcp(a, b) -> int:
 
 
 class Sim:
-    """The radix index plus simulated requests that compute and cache sequences."""
+    """The KV manager, driven as the scheduler drives it, by simulated requests that
+    compute their sequence in one chunk and cache it."""
 
     def __init__(self, num_pages: int, page_size: int):
-        self.pool = PagePool(num_pages, page_size)
-        self.index = RadixIndex(self.pool)
+        self.kv = KVManager(num_pages, page_size)
+        self.pool, self.index = self.kv.pool, self.kv.index
         self.ps = page_size
         self.slots: dict[tuple[int, int], int] = {}  # (page, offset) -> token written there
-        self.inserted: list[tuple[int, ...]] = []
-        self.live: list[tuple[tuple[int, ...], list[int], object, int]] = []  # (tokens, pages, node, matched)
+        self.inserted: list[tuple[int, ...]] = []  # sequences the cache has been given
+        self.live: list[tuple[Request, int]] = []  # (request, tokens its cached part must keep)
 
     def check(self) -> None:
-        self.pool.check_integrity()
-        self.index.check_integrity()
-        want = self.index.page_refs()
-        for _, pages, _, _ in self.live:
-            for p in pages:
-                want[p] = want.get(p, 0) + 1
-        for p in range(1, self.pool.num_pages):
-            assert self.pool.refcounts[p] == want.get(p, 0), f"page {p}"
+        self.kv.check_integrity([r for r, _ in self.live])
+        for r, _ in self.live:  # eviction never touches a live request's pages
+            assert self.read(r.pages, r.num_computed_tokens) == r.token_ids[: r.num_computed_tokens]
 
     def read(self, pages: list[int], n: int) -> list[int | None]:
         return [self.slots.get((pages[i // self.ps], i % self.ps)) for i in range(n)]
 
     def start(self, tokens: tuple[int, ...]) -> bool:
-        """Admits a request: reuse the cached prefix, compute the rest, cache it all."""
-        matched, pages, node = self.index.match(tokens)
-        assert matched <= max((_lcp(tokens, s) for s in self.inserted), default=0)
-        assert self.read(pages, matched) == list(tokens[:matched]), "pages do not hold the matched prefix"
-        full = matched // self.ps
-        need = -(-len(tokens) // self.ps) - full
-        # Lock the matched path before evicting, as PrefixCache.attach does, so eviction
-        # cannot shorten the match this request is about to use.
-        self.index.lock(node)
-        if self.pool.num_free < need:
-            self.index.evict(need)
-            if self.pool.num_free < need:
-                self.index.unlock(node)
-                return False
-        own = pages[:full]
-        self.pool.retain(own)
-        fresh = self.pool.allocate(need)
-        if matched % self.ps:  # copy-on-write of the page the match ends in
+        """Admits a request: reuse the cached prefix, compute the rest, cache it."""
+        r = Request(f"r{len(self.inserted)}", list(tokens), GREEDY, seed=0)
+        admitted = self.kv.admit(r, budget=len(tokens))
+        if admitted is None:
+            assert not r.pages and r.num_computed_tokens == 0, "a failed admission left state behind"
+            return False
+        n, copy = admitted
+        matched = r.num_computed_tokens
+        assert matched <= max((_lcp(tokens[:-1], s) for s in self.inserted), default=0)
+        if copy is not None:  # the device copy the scheduler would run before the step
             for off in range(self.ps):
-                if (pages[full], off) in self.slots:
-                    self.slots[(fresh[0], off)] = self.slots[(pages[full], off)]
-        own = own + fresh
+                if (copy[0], off) in self.slots:
+                    self.slots[(copy[1], off)] = self.slots[(copy[0], off)]
+        assert self.read(r.pages, matched) == list(tokens[:matched]), "pages do not hold the matched prefix"
+        assert n == len(tokens) - matched
         for i in range(matched, len(tokens)):  # "compute" the rest
-            self.slots[(own[i // self.ps], i % self.ps)] = tokens[i]
-        leaf = self.index.insert(tokens, own)
-        self.index.lock(leaf)
-        self.index.unlock(node)
-        self.inserted.append(tokens)
-        self.live.append((tokens, own, leaf, matched))
+            self.slots[(r.pages[i // self.ps], i % self.ps)] = tokens[i]
+        self.kv.commit(r, n)
+        if n > 1:  # a prefill chunk is cached at once (a lone token waits for free)
+            self.inserted.append(tokens)
+        self.live.append((r, len(tokens) if n > 1 else matched))
         return True
 
     def finish(self, i: int) -> None:
-        tokens, pages, leaf, _ = self.live.pop(i % len(self.live))
-        self.index.unlock(leaf)
-        self.pool.release(pages)
+        r, _ = self.live.pop(i % len(self.live))
+        self.kv.free(r, keep_cached=True)
+        self.inserted.append(tuple(r.token_ids))
 
 
 seqs = st.lists(st.integers(0, 2), min_size=1, max_size=14).map(tuple)
@@ -113,11 +104,11 @@ def test_eviction_under_pressure_keeps_live_prefixes(ops, page_size):
         elif sim.live:
             sim.finish(arg)
         sim.check()
-        # every live request's sequence is still fully cached and readable
-        for tokens, _, _, _ in sim.live:
-            matched, got, _ = sim.index.match(tokens)
-            assert matched == len(tokens)
-            assert sim.read(got, matched) == list(tokens)
+        # what every live request cached (or took from the cache) is still cached and readable
+        for r, kept in sim.live:
+            matched, got, _ = sim.index.match(r.token_ids)
+            assert matched >= kept
+            assert sim.read(got, matched) == r.token_ids[:matched]
     while sim.live:
         sim.finish(0)
     sim.index.evict(10**6)
@@ -133,7 +124,7 @@ def test_token_level_match_ends_mid_page():
     matched, pages, _ = sim.index.match(b)
     assert matched == 5  # not rounded down to the page boundary (4)
     assert sim.start(b)
-    assert sim.live[-1][3] == 5
+    assert sim.live[-1][0].num_cached_tokens == 5
     sim.check()
 
 

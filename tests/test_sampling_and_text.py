@@ -9,9 +9,9 @@ import torch
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.page_pool import PagePool
+from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.runner.sampler import MAX_BLOCKED, MAX_LOGPROBS, SamplerOutput, SamplingMetadata, _process
+from jaxserve.runner.sampler import MAX_BLOCKED, MAX_LOGPROBS, PenaltyMetadata, SamplerOutput, block, penalize
 from tests.conftest import rng_tokens
 
 
@@ -63,6 +63,51 @@ def test_top_k_1_and_tiny_top_p_are_greedy(tiny):
     assert len({tuple(o.token_ids) for o in hot}) > 1  # unseeded requests draw differently
 
 
+def test_penalties_through_the_engine_match_a_reference_on_transformers_logits(tiny):
+    """Greedy with all three penalties, each step checked against transformers' logits
+    with vLLM's definitions applied in numpy (repetition over prompt + output, frequency
+    and presence over the output)."""
+    llm, hf = tiny
+    ids = rng_tokens(16, hf.config.vocab_size, seed=14)
+    rep, pres, freq = 1.8, 0.4, 0.3
+    params = SamplingParams(
+        max_tokens=8,
+        temperature=0.0,
+        ignore_eos=True,
+        repetition_penalty=rep,
+        presence_penalty=pres,
+        frequency_penalty=freq,
+    )
+    got = llm.generate([ids], params)[0].token_ids
+    for i in range(len(got)):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + got[:i]])).logits[0, -1].double().numpy()
+        for t in set(ids + got[:i]):
+            logits[t] = logits[t] / rep if logits[t] > 0 else logits[t] * rep
+        for t in set(got[:i]):
+            logits[t] -= freq * got[:i].count(t) + pres
+        assert got[i] == int(np.argmax(logits)), i
+    plain = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids
+    assert got != plain  # the penalties changed something: the check above is not vacuous
+
+
+def test_token_history_goes_to_the_device_only_with_penalties(tiny):
+    """A step's inputs carry the [S, max_model_len] token history only when a request
+    in it has a penalty."""
+    llm, hf = tiny
+    ids = rng_tokens(10, hf.config.vocab_size, seed=15)
+
+    def bytes_per_step(**penalty) -> float:
+        bytes0, steps0 = llm.runner.input_bytes, llm.stats()["steps"]
+        llm.generate([ids], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, **penalty))
+        return (llm.runner.input_bytes - bytes0) / (llm.stats()["steps"] - steps0)
+
+    history = 2 * llm.max_model_len * 4  # int32 rows of the smallest sequence bucket (2)
+    plain = bytes_per_step()
+    assert plain < history
+    assert bytes_per_step(presence_penalty=0.5) >= plain + history
+
+
 def test_penalties_match_a_numpy_reference():
     rng = np.random.RandomState(0)
     s, vocab, h = 3, 11, 9
@@ -78,22 +123,8 @@ def test_penalties_match_a_numpy_reference():
     )
     blocked = np.full((s, MAX_BLOCKED), -1, np.int32)
     blocked[2, :2] = [7, 8]
-    md = SamplingMetadata(
-        temperature=np.zeros(s, np.float32),
-        top_k=np.zeros(s, np.int32),
-        top_p=np.ones(s, np.float32),
-        min_p=np.zeros(s, np.float32),
-        repetition_penalty=rep,
-        presence_penalty=pres,
-        frequency_penalty=freq,
-        seeds=np.zeros(s, np.uint32),
-        positions=np.zeros(s, np.int32),
-        token_history=hist,
-        num_prompt_tokens=num_prompt,
-        blocked_ids=blocked,
-        num_logprobs=np.zeros(s, np.int32),
-    )
-    got = np.asarray(_process(logits, md))
+    pmd = PenaltyMetadata(rep, pres, freq, hist, num_prompt)
+    got = np.asarray(block(penalize(logits, pmd), blocked))
     want = logits.copy()
     for i in range(s):
         toks = [t for t in hist[i] if t >= 0]
@@ -138,7 +169,7 @@ def scripted(tiny_model_dir):
         scripts = {k: tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for k, t in enumerate(texts)}
         runner = ScriptedRunner(scripts)
         runner.prompt_len = {k: len(prompt) for k in scripts}
-        engine = Engine(runner, Scheduler(PagePool(64, 4), 16, 4, 256), tok, {tok.eos_token_id})
+        engine = Engine(runner, Scheduler(KVManager(64, 4, prefix_caching=False), 16, 4, 256), tok, {tok.eos_token_id})
         reqs = [engine.add_request(prompt, SamplingParams(**{**params.__dict__, "seed": k})) for k in range(len(texts))]
         deltas = {r.request_id: [] for r in reqs}
         seen = {r.request_id: 0 for r in reqs}
@@ -147,7 +178,7 @@ def scripted(tiny_model_dir):
             for r in reqs:
                 deltas[r.request_id].append(r.output_text[seen[r.request_id] :])
                 seen[r.request_id] = len(r.output_text)
-        assert engine.scheduler.pool.num_in_use == 0
+        assert engine.scheduler.kv.pool.num_in_use == 0
         return reqs, [deltas[r.request_id] for r in reqs], tok
 
     return run

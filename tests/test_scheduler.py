@@ -6,7 +6,7 @@ import random
 import subprocess
 import sys
 
-from jaxserve.engine.page_pool import PagePool
+from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.sampling_params import SamplingParams
@@ -28,29 +28,31 @@ def _run(sched: Scheduler, steps_limit: int = 10_000) -> list:
         assert sum(n for _, n in out.scheduled) <= sched.max_num_batched_tokens
         assert len(out.scheduled) <= sched.max_num_seqs
         for r, n in out.scheduled:
-            assert len(r.pages) * sched.pool.page_size >= r.num_computed_tokens + n
+            assert len(r.pages) * sched.kv.pool.page_size >= r.num_computed_tokens + n
         records.append([(r.request_id, n, r.is_prefill_done) for r, n in out.scheduled])
-        sched.update(out, [1] * len(out.scheduled), [0.0] * len(out.scheduled))
+        sched.update(out, [1] * len(out.scheduled))
         sched.check_integrity()
     raise AssertionError("did not finish")
 
 
 def test_scheduler_modules_import_no_jax():
     code = (
-        "import sys; import jaxserve.engine.scheduler, jaxserve.engine.page_pool, jaxserve.engine.request; "
+        "import sys; import jaxserve.engine.scheduler, jaxserve.engine.kv_manager, jaxserve.engine.output; "
         "assert 'jax' not in sys.modules, 'jax imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_decodes_first_then_chunks_within_budget():
-    sched = Scheduler(PagePool(100, 4), max_num_batched_tokens=8, max_num_seqs=4, max_model_len=64)
+    sched = Scheduler(
+        KVManager(100, 4, prefix_caching=False), max_num_batched_tokens=8, max_num_seqs=4, max_model_len=64
+    )
     a, b = _request(0, 3, 5), _request(1, 20, 2)
     sched.add(a)
     sched.add(b)
     first = sched.schedule()
     assert [(r.request_id, n) for r, n in first.scheduled] == [("r0", 3), ("r1", 5)]
-    sched.update(first, [1, 1], [0.0, 0.0])
+    sched.update(first, [1, 1])
     assert a.output_token_ids == [1] and b.output_token_ids == []  # b's chunk was partial
     second = sched.schedule()
     assert [(r.request_id, n) for r, n in second.scheduled] == [("r0", 1), ("r1", 7)]
@@ -59,24 +61,28 @@ def test_decodes_first_then_chunks_within_budget():
 
 def test_every_request_finishes_and_pages_return():
     rng = random.Random(0)
-    sched = Scheduler(PagePool(400, 4), max_num_batched_tokens=16, max_num_seqs=5, max_model_len=128)
+    sched = Scheduler(
+        KVManager(400, 4, prefix_caching=False), max_num_batched_tokens=16, max_num_seqs=5, max_model_len=128
+    )
     reqs = [_request(i, rng.randint(1, 60), rng.randint(1, 20)) for i in range(30)]
     for r in reqs:
         sched.add(r)
     _run(sched)
     assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
     assert [len(r.output_token_ids) for r in reqs] == [r.params.max_tokens for r in reqs]
-    assert sched.pool.num_in_use == 0
+    assert sched.kv.pool.num_in_use == 0
 
 
 def test_long_prompt_is_chunked_while_decodes_continue():
-    sched = Scheduler(PagePool(400, 4), max_num_batched_tokens=16, max_num_seqs=8, max_model_len=256)
+    sched = Scheduler(
+        KVManager(400, 4, prefix_caching=False), max_num_batched_tokens=16, max_num_seqs=8, max_model_len=256
+    )
     decoders = [_request(i, 4, 100) for i in range(3)]
     for r in decoders:
         sched.add(r)
     for _ in range(2):  # get them decoding
         out = sched.schedule()
-        sched.update(out, [1] * len(out.scheduled), [0.0] * len(out.scheduled))
+        sched.update(out, [1] * len(out.scheduled))
     long = _request(9, 200, 1)
     sched.add(long)
     steps_with_long = 0
@@ -86,62 +92,55 @@ def test_long_prompt_is_chunked_while_decodes_continue():
         if "r9" in ids:
             steps_with_long += 1
             assert all(ids.get(r.request_id) == 1 for r in decoders), "a decode stalled behind the prefill"
-        sched.update(out, [1] * len(out.scheduled), [0.0] * len(out.scheduled))
+        sched.update(out, [1] * len(out.scheduled))
     assert steps_with_long >= 200 // 13  # at most 16 - 3 prefill tokens per step
 
 
 def test_preemption_when_pages_run_out():
     # 12 usable pages of 4 tokens; each request may need up to ceil((10+30)/4) = 10 pages.
-    sched = Scheduler(PagePool(13, 4), max_num_batched_tokens=32, max_num_seqs=4, max_model_len=40)
+    sched = Scheduler(
+        KVManager(13, 4, prefix_caching=False), max_num_batched_tokens=32, max_num_seqs=4, max_model_len=40
+    )
     reqs = [_request(i, 10, 30) for i in range(4)]
     for r in reqs:
         sched.add(r)
     _run(sched)
     assert sched.num_preemptions > 0
     assert all(len(r.output_token_ids) == 30 for r in reqs)
-    assert sched.pool.num_in_use == 0
+    assert sched.kv.pool.num_in_use == 0
 
 
 def test_abort_frees_pages():
-    sched = Scheduler(PagePool(50, 4), max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64)
+    sched = Scheduler(
+        KVManager(50, 4, prefix_caching=False), max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64
+    )
     a, b = _request(0, 10, 50), _request(1, 10, 50)
     sched.add(a)
     sched.add(b)
     out = sched.schedule()
-    sched.update(out, [1, 1], [0.0, 0.0])
+    sched.update(out, [1, 1])
     sched.abort(a)
     sched.abort(b)
-    assert a.status is RequestStatus.FINISHED_ABORTED and sched.pool.num_in_use == 0
+    assert a.status is RequestStatus.FINISHED_ABORTED and sched.kv.pool.num_in_use == 0
     assert not sched.has_unfinished()
     sched.check_integrity()
 
 
-def test_static_batching_admits_nobody_until_the_batch_is_done():
-    sched = Scheduler(
-        PagePool(200, 4), max_num_batched_tokens=64, max_num_seqs=2, max_model_len=64, static_batching=True
-    )
-    reqs = [_request(0, 4, 2), _request(1, 4, 8), _request(2, 4, 2)]
-    for r in reqs:
-        sched.add(r)
-    records = _run(sched)
-    joined = next(i for i, rec in enumerate(records) if any(rid == "r2" for rid, _, _ in rec))
-    last_r1 = max(i for i, rec in enumerate(records) if any(rid == "r1" for rid, _, _ in rec))
-    assert joined > last_r1  # r2 waited for r1 although r0 had left long before
-
-
 def test_two_long_prompts_in_a_pool_that_fits_one_at_a_time():
-    sched = Scheduler(PagePool(21, 4), max_num_batched_tokens=16, max_num_seqs=4, max_model_len=80)
+    sched = Scheduler(
+        KVManager(21, 4, prefix_caching=False), max_num_batched_tokens=16, max_num_seqs=4, max_model_len=80
+    )
     reqs = [_request(0, 70, 3), _request(1, 70, 3)]
     for r in reqs:
         sched.add(r)
     _run(sched)
     assert all(len(r.output_token_ids) == 3 for r in reqs)
-    assert sched.pool.num_in_use == 0
+    assert sched.kv.pool.num_in_use == 0
 
 
 def _step(sched: Scheduler) -> list[str]:
     out = sched.schedule()
-    sched.update(out, [1] * len(out.scheduled), [0.0] * len(out.scheduled))
+    sched.update(out, [1] * len(out.scheduled))
     sched.check_integrity()
     return [r.request_id for r, _ in out.scheduled]
 
@@ -149,12 +148,7 @@ def _step(sched: Scheduler) -> list[str]:
 def test_a_second_client_is_not_starved_by_one_clients_long_streams():
     """Client a fills every slot with long streams and queues more; client b's short request
     runs within a few steps (a slot is reclaimed from a), not after a's streams end."""
-    from jaxserve.engine.prefix_cache import PrefixCache
-
-    pool = PagePool(400, 4)
-    sched = Scheduler(
-        pool, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=4096, prefix_cache=PrefixCache(pool)
-    )
+    sched = Scheduler(KVManager(400, 4), max_num_batched_tokens=64, max_num_seqs=4, max_model_len=4096)
     hogs = [_request(i, 8, 3000) for i in range(6)]
     for r in hogs:
         r.client = "a"
@@ -177,7 +171,9 @@ def test_a_second_client_is_not_starved_by_one_clients_long_streams():
 
 
 def test_admission_alternates_between_clients():
-    sched = Scheduler(PagePool(400, 4), max_num_batched_tokens=64, max_num_seqs=4, max_model_len=4096)
+    sched = Scheduler(
+        KVManager(400, 4, prefix_caching=False), max_num_batched_tokens=64, max_num_seqs=4, max_model_len=4096
+    )
     for i in range(6):
         r = _request(i, 4, 50)
         r.client = "a"

@@ -39,7 +39,7 @@ def served(tiny_model_dir):
             await asyncio.sleep(0.01)
 
     cfg = ServerConfig(port=0, metrics_port=0, max_waiting_requests=64, drain_grace_seconds=5)
-    server = Server(llm, cfg, str(path), progress=False, before_serving=before_serving)
+    server = Server(llm.handle, cfg, str(path), progress=False, before_serving=before_serving)
     handle = ServerHandle(server)
     port = handle.start()
     addr = f"127.0.0.1:{port}"
@@ -373,16 +373,16 @@ def test_a_slow_tokenization_does_not_stall_other_calls(served, monkeypatch):
     info, small streams and small prompts all answer."""
     llm, _, addr, _ = served
     release, entered = threading.Event(), threading.Event()
-    encode = llm.encode
+    encode = llm.tokenizer.encode
 
-    def slow_encode(prompt):
-        if isinstance(prompt, str) and prompt.startswith("SLOW"):
+    def slow_encode(text, **kw):
+        if text.startswith("SLOW"):
             entered.set()
             release.wait(120)
-            return encode(prompt[:50])
-        return encode(prompt)
+            return encode(text[:50], **kw)
+        return encode(text, **kw)
 
-    monkeypatch.setattr(llm, "encode", slow_encode)
+    monkeypatch.setattr(llm.tokenizer, "encode", slow_encode)
     results = []
     big = "SLOW " + "x" * 100_000
     with Client(addr) as c:

@@ -75,7 +75,8 @@ def test_capital_of_france_is_paris(llm):
 
 def test_batch_equivalence_on_smollm2(smollm2_path):
     """A CI-sized cut of the batch-equivalence workload on the real model (the full 48
-    requests x 600 tokens run is scripts/check_batch_equivalence.py)."""
+    requests x 600 tokens run is `jaxserve bench offline` with an `alone:max_num_seqs=1`
+    variant: equal output digests, see the README)."""
     import random
 
     llm = LLM(
@@ -150,7 +151,9 @@ def test_server_stream_with_emoji_and_cjk_equals_offline(smollm2_path):
     params = SamplingParams(max_tokens=40, temperature=0.0)
     offline = [o.text for o in llm.generate(prompts, params)]
     assert any(ord(c) > 0x2E80 for c in offline[0]) and any(ord(c) > 0x1F000 for c in offline[1])
-    handle = ServerHandle(Server(llm, ServerConfig(port=0, metrics_port=None, warmup=False), "smollm2", progress=False))
+    handle = ServerHandle(
+        Server(llm.handle, ServerConfig(port=0, metrics_port=None, warmup=False), "smollm2", progress=False)
+    )
     addr = f"127.0.0.1:{handle.start()}"
     try:
         with Client(addr) as c:

@@ -92,7 +92,7 @@ def test_the_lm_head_is_never_gathered():
     """With the vocabulary sharded, each device computes its logit columns; the step must
     all-gather the logits ([S, V] floats), never the LM head's weights ([E, V])."""
     compiler = config_compiler("llama3-8b-tpu-v5e.yaml", "v5e:2x2")
-    md, _ = compiler._inputs(64, 64)
+    md, _, _ = compiler._inputs(64, 64)
     with jax.sharding.use_abstract_mesh(compiler.mesh.abstract_mesh):
         text = compiler._forward.lower(compiler.state, compiler.kv_cache, md).compile().as_text()
     gathered = re.findall(r"= \w+\[([\d,]+)\][^=]*? all-gather\(", text)
@@ -112,7 +112,7 @@ def test_jaxserve_compile_prints_the_table(capsys):
     assert main(_compile_cli("--bucket", "64:8")) == 0
     out = capsys.readouterr().out
     assert re.search(r"^\s+64\s+8\s+[\d.]+\s+[\d.]+\s+17\.20 ", out, re.M), out
-    assert re.search(r"^sample\s+8 ", out, re.M), out
+    assert re.search(r"^sample\s+8 ", out, re.M) and re.search(r"^\s*\+pen\s+8 ", out, re.M), out
     assert "sequences that fit at max_model_len 8192: 31" in out
     assert re.search(r"decode roofline, 64 sequences at context 1024: [\d.]+ ms per step, [\d,]+ tokens/s", out)
 

@@ -265,22 +265,21 @@ class EngineThread:
 
     def _delta(self, request_id: str, stream: Submission) -> Delta:
         r = stream.request
-        tokens = r.output_token_ids[stream.sent_tokens :]
         n0 = stream.sent_tokens
         delta = Delta(
             request_id,
-            list(tokens),
+            r.token_ids[r.num_prompt_tokens + n0 :],
             r.output_text[stream.sent_text :],
             list(r.output_logprobs[n0:]) if r.params.logprobs is not None else [],
             list(r.output_top_logprobs[n0:]) if r.params.logprobs is not None else [],
         )
-        stream.sent_tokens = len(r.output_token_ids)
+        stream.sent_tokens = r.num_output_tokens
         stream.sent_text = len(r.output_text)
         if r.status.is_finished:
             delta.finish_reason = r.finish_reason
             delta.stop_reason = r.stop_reason
-            delta.prompt_tokens = len(r.prompt_token_ids)
-            delta.completion_tokens = len(r.output_token_ids)
+            delta.prompt_tokens = r.num_prompt_tokens
+            delta.completion_tokens = r.num_output_tokens
             delta.cached_tokens = r.num_cached_tokens
         return delta
 
@@ -434,6 +433,6 @@ class EngineThread:
                     stream.first_token_at = now
                 if r.request_id in done:
                     self._finish(r.request_id, stream)
-                elif len(r.output_token_ids) > stream.sent_tokens:
+                elif r.num_output_tokens > stream.sent_tokens:
                     self._push(stream, self._delta(r.request_id, stream))
         # shutting down: _close ends whatever is left with finish_reason abort

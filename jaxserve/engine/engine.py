@@ -1,13 +1,10 @@
-"""The step loop: schedule -> run the jitted step -> apply tokens -> detokenize, stop.
+"""The step loop: schedule -> run the jitted step -> apply tokens -> output stage.
 
 One thread owns this object (and the device); requests come and go between steps. The
 owner is explicit: ``claim`` / ``owned_by_current_thread`` bind one thread, and while one
 is bound every other thread's ``step``, ``add_request`` and ``abort`` raise
 :class:`EngineBusyError` instead of racing it (two steppers would interleave scheduler
 updates and hand an already-donated KV cache to the device).
-Text is produced here, incrementally and UTF-8-safe, and stop strings are matched across
-token boundaries: text that could still become a stop string is held back until it
-cannot.
 """
 
 from __future__ import annotations
@@ -21,8 +18,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.output import OutputStage
+from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.errors import JaxServeError
 from jaxserve.runner.batch import ScheduledSeq
@@ -37,22 +34,6 @@ class StepRecord:
     step: int
     seqs: tuple[tuple[str, int, bool], ...]
     num_preempted: int
-
-
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-    for n in range(min(len(text), max(map(len, stops)) - 1), 0, -1):
-        if any(s.startswith(text[-n:]) for s in stops):
-            return n
-    return 0
-
-
-class _TextState:
-    """Per-request detokenizer plus the text held back for stop-string matching."""
-
-    def __init__(self, tokenizer, request: Request):
-        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.params.skip_special_tokens)
-        self.held = ""
 
 
 class EngineBusyError(JaxServeError):
@@ -75,7 +56,7 @@ class Engine:
         self.keep_step_records = keep_step_records
         self.step_records: list[StepRecord] = []
         self.requests: dict[str, Request] = {}
-        self._text: dict[str, _TextState] = {}
+        self.output = OutputStage(tokenizer, scheduler)
         self._ids = itertools.count()
         self.counters = {"steps": 0, "prefill_tokens_computed": 0, "decode_tokens": 0, "recoveries": 0}
         # Cumulative seconds per phase of step(): scheduling (+ building the step's inputs
@@ -137,14 +118,14 @@ class Engine:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, list(prompt_token_ids), params, seed, frozenset(stop), client=client)
         self.requests[request_id] = request
-        self._text[request_id] = _TextState(self.tokenizer, request)
+        self.output.add(request)
         self.scheduler.add(request)
         return request
 
     def abort(self, request_id: str) -> None:
         self._check_owner("abort")
         request = self.requests.pop(request_id, None)
-        self._text.pop(request_id, None)
+        self.output.drop(request_id)
         if request is not None:
             self.scheduler.abort(request)
 
@@ -158,8 +139,7 @@ class Engine:
         if self.scheduler.has_unfinished():
             raise RuntimeError("recover() needs every request ended first: their K/V went with the cache")
         self.runner.reset_kv_cache()
-        if self.scheduler.cache is not None:
-            self.scheduler.cache.clear()
+        self.scheduler.kv.clear_cache()
         self.counters["recoveries"] += 1
         return True
 
@@ -168,33 +148,10 @@ class Engine:
 
     def _sampling(self, request: Request) -> SeqSampling:
         params = request.params
-        blocked = tuple(sorted(request.stop_token_ids)) if len(request.output_token_ids) < params.min_tokens else ()
-        if params.has_penalties:
-            return SeqSampling(params, request.seed, request.all_token_ids, len(request.prompt_token_ids), blocked)
+        blocked = tuple(sorted(request.stop_token_ids)) if request.num_output_tokens < params.min_tokens else ()
+        if params.has_penalties:  # the request's own list: the runner copies it into the step's input
+            return SeqSampling(params, request.seed, request.token_ids, request.num_prompt_tokens, blocked)
         return SeqSampling(params, request.seed, blocked_ids=blocked)
-
-    def _emit_text(self, request: Request, token: int) -> None:
-        """Detokenizes the request's newest token and applies stop strings."""
-        state = self._text[request.request_id]
-        params = request.params
-        is_stop_token = request.status is RequestStatus.FINISHED_STOPPED and request.stop_reason == token
-        buf = state.held + ("" if is_stop_token else state.detok.add(token))
-        state.held = ""
-        if params.stop:
-            hits = [(buf.find(s), s) for s in params.stop if s in buf]
-            if hits:
-                at, stop = min(hits)
-                request.output_text += buf[: at + len(stop)] if params.include_stop_str_in_output else buf[:at]
-                request.stop_reason = stop
-                if request.status.is_finished:  # it ended this step anyway (length, stop token)
-                    request.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-                return
-            if not request.status.is_finished:
-                keep = _held_back(buf, params.stop)
-                buf, state.held = buf[: len(buf) - keep], buf[len(buf) - keep :]
-        request.output_text += buf
 
     def step(self) -> tuple[list[Request], list[Request]]:
         """Runs one step; returns (requests that got a token, requests that finished)."""
@@ -207,30 +164,19 @@ class Engine:
         is_decode = [request.is_prefill_done for request, _ in out.scheduled]
         for request, n in out.scheduled:
             start = request.num_computed_tokens
-            seqs.append(ScheduledSeq(request.all_token_ids[start : start + n], start, request.pages))
+            seqs.append(ScheduledSeq(request.token_ids[start : start + n], start, request.pages))
             sampling.append(self._sampling(request))
         if out.page_copies:
             self.runner.copy_pages(out.page_copies)
         t1 = time.perf_counter()
         result = self.runner.execute(seqs, sampling)
         t2 = time.perf_counter()
-        before = {id(r): len(r.output_token_ids) for r, _ in out.scheduled}
-        self.scheduler.update(out, result.tokens.tolist(), result.logprobs.tolist())
-        advanced, finished = [], []
-        for i, (request, _) in enumerate(out.scheduled):
-            if len(request.output_token_ids) == before[id(request)]:
-                continue
-            if request.params.logprobs:
-                n = request.params.logprobs
-                request.output_top_logprobs.append(
-                    list(zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist(), strict=True))
-                )
-            self._emit_text(request, request.output_token_ids[-1])
-            advanced.append(request)
-            if request.status.is_finished:
-                finished.append(request)
-                self.requests.pop(request.request_id, None)
-                self._text.pop(request.request_id, None)
+        got = self.scheduler.update(out, result.tokens.tolist())
+        self.output.apply(got, result)
+        advanced = [s.request for s in got]
+        finished = [r for r in advanced if r.status.is_finished]
+        for request in finished:
+            self.requests.pop(request.request_id, None)
         self.timings["schedule_s"] += t1 - t0
         self.timings["update_s"] += time.perf_counter() - t2
         self.timings["step_s"] += time.perf_counter() - t0
@@ -243,19 +189,11 @@ class Engine:
         return advanced, finished
 
     def stats(self) -> dict[str, int]:
-        pool = self.scheduler.pool
-        cache = self.scheduler.cache
-        held_by_requests = {p for r in self.scheduler.running for p in r.pages}
         return {
             **self.counters,
-            "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
-            "prefix_cache_queried_tokens": cache.queried_tokens if cache else 0,
-            "pages_held_by_requests": len(held_by_requests),
-            "pages_cached_only": pool.num_in_use - len(held_by_requests),
+            **self.scheduler.kv.usage(self.scheduler.running),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compiles": self.runner.num_compiles,
-            "pages_total": pool.num_usable,
-            "pages_free": pool.num_free,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }

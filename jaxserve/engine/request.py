@@ -1,14 +1,18 @@
 """One request's state as the scheduler sees it (plain Python).
 
-Token regions of a request (``num_tokens = len(prompt) + len(output)``)::
+Token regions of a request: one append-only list, ``token_ids`` (the prompt, then each
+sampled token as the scheduler appends it)::
 
-    |<------------- all_token_ids ------------->|
+    |<--------------- token_ids --------------->|
     |<--- num_computed_tokens --->|             |   K/V already in the request's pages
                                   |<- to go  ->|   next steps compute these (a prefill
                                                     chunk, or 1 token when decoding)
 
 Status: WAITING -> RUNNING -> FINISHED_*; RUNNING -> PREEMPTED (pages freed, computed
 reset to 0) -> RUNNING again, recomputing prompt + output so far.
+
+The scheduler writes status and tokens, the KV manager ``pages``, ``num_computed_tokens``
+and the cache fields, the output stage ``output_text`` and the logprob lists.
 """
 
 from __future__ import annotations
@@ -35,11 +39,10 @@ class RequestStatus(enum.Enum):
 @dataclasses.dataclass(eq=False)
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    token_ids: list[int]  # given the prompt; sampled tokens are appended (never rewritten)
     params: SamplingParams
     seed: int
     stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + params.stop_token_ids
-    output_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     # [(token id, logprob)] top-n alternatives per output token, when params.logprobs
     output_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
@@ -53,14 +56,27 @@ class Request:
     output_text: str = ""  # text emitted so far (never a partial character or a possible stop)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     client: str = ""  # who asked (server: identity or peer); fair admission shares slots by it
+    num_prompt_tokens: int = dataclasses.field(init=False)  # len(token_ids) as given
+
+    def __post_init__(self):
+        self.token_ids = list(self.token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
     def num_tokens_to_compute(self) -> int:
@@ -69,7 +85,7 @@ class Request:
     @property
     def is_prefill_done(self) -> bool:
         """True once only the newest sampled token is left to compute (decoding)."""
-        return self.num_tokens_to_compute <= 1 and bool(self.output_token_ids)
+        return self.num_tokens_to_compute <= 1 and self.num_output_tokens > 0
 
     @property
     def finish_reason(self) -> str | None:

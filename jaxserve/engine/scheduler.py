@@ -5,10 +5,15 @@ Every step:
   2. then prefill chunks: running requests still prefilling, then waiting ones, each
      taking ``min(tokens left, budget left)``, until ``max_num_batched_tokens`` or
      ``max_num_seqs`` is reached. Several chunks may share a step with the decodes.
-Pages are allocated as tokens are scheduled and freed whole when a request ends. When
-pages run out, unreferenced cached prefixes are evicted first; then the most recently
-admitted running request is preempted (its pages freed; it recomputes later, reusing
-what the prefix cache still holds) instead of failing.
+Pages come from the KV manager (``kv_manager.py``), the only code that touches them: as
+tokens are scheduled, and back whole when a request ends. When pages run out, it evicts
+unreferenced cached prefixes first; then the most recently admitted running request is
+preempted (its pages freed; it recomputes later, reusing what the prefix cache still
+holds) instead of failing.
+
+``update`` applies a step's tokens and says what happened: per request, the token it got
+and whether that ended it (a stop token, a length limit). Text is not the scheduler's
+business: the output stage reports a matched stop string back through ``stop``.
 
 Admission order: ``fcfs``, or ``lpm`` (longest cached prefix first) with an aging bound:
 a request that has waited ``lpm_aging_steps`` steps goes first, so cache-cold requests
@@ -28,8 +33,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter, deque
 
-from jaxserve.engine.page_pool import PagePool
-from jaxserve.engine.prefix_cache import PrefixCache
+from jaxserve.engine.kv_manager import KVManager, PageCopy
 from jaxserve.engine.request import Request, RequestStatus
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -41,15 +45,25 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
     preempted: list[Request] = dataclasses.field(default_factory=list)
-    page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst), before the step
+    page_copies: list[PageCopy] = dataclasses.field(default_factory=list)  # before the step
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n, limit = 0, min(len(a), len(b))
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """A token a step gave a request (a prefill chunk that leaves prompt to compute gets none)."""
+
+    request: Request
+    row: int  # the request's row in the step: where the sampler's other outputs for it are
+    token: int
+    finished: bool  # the token ended it (a stop token, max_tokens or max_model_len)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n, limit = 0, min(len(a), len(b), limit)
     while n < limit and a[n] == b[n]:
         n += 1
     return n
@@ -58,25 +72,18 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 class Scheduler:
     def __init__(
         self,
-        pool: PagePool,
+        kv: KVManager,
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
-        static_batching: bool = False,
-        prefix_cache: PrefixCache | None = None,
         schedule_policy: str = "fcfs",
         lpm_aging_steps: int = 64,
     ):
-        """``static_batching`` (for comparison only): a batch of up to ``max_num_seqs``
-        requests is admitted, and no other joins until every one of them has finished."""
         if schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy {schedule_policy!r} is not one of: {', '.join(SCHEDULE_POLICIES)}")
-        self.pool = pool
-        self.cache = prefix_cache
+        self.kv = kv
         self.schedule_policy = schedule_policy
         self.lpm_aging_steps = lpm_aging_steps
-        self.static_batching = static_batching
-        self._batch_slots_left = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -91,54 +98,34 @@ class Scheduler:
         self.waiting.append(request)
 
     def abort(self, request: Request) -> None:
+        if not request.status.is_finished:
+            self._end(request, RequestStatus.FINISHED_ABORTED)
+
+    def stop(self, request: Request, stop_string: str) -> None:
+        """The output stage matched a stop string in the text of the request's newest
+        token: it ends as stopped, also when that token had ended it otherwise."""
+        request.stop_reason = stop_string
         if request.status.is_finished:
-            return
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self._end(request, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """Ends a running request (e.g. a stop string matched) and frees its pages."""
+    def _end(self, request: Request, status: RequestStatus) -> None:
         if request in self.running:
             self.running.remove(request)
-            self._finish(request, status)
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        if self.cache is not None:
-            if status is not RequestStatus.FINISHED_ABORTED:
-                self.cache.publish(request)  # prompt + output so far: the next turn reuses it
-            self.cache.detach(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        # prompt + output so far go to the prefix cache: the next turn of a chat reuses them
+        self.kv.free(request, keep_cached=status is not RequestStatus.FINISHED_ABORTED)
         request.status = status
-        self.pool.release(request.pages)
-        request.pages = []
-
-    def _grow(self, request: Request, num_new_tokens: int) -> bool:
-        """Makes the request's pages cover ``num_computed + num_new_tokens`` tokens,
-        evicting unreferenced cached prefixes if the pool is short."""
-        need = self.pool.pages_needed(request.num_computed_tokens + num_new_tokens) - len(request.pages)
-        if need <= 0:
-            return True
-        if need > self.pool.num_free and self.cache is not None:
-            self.cache.evict(need)
-        if need > self.pool.num_free:
-            return False
-        request.pages += self.pool.allocate(need)
-        return True
 
     def _preempt(self, request: Request, keep_cached: bool = False) -> None:
+        """``keep_cached``: its computed K/V stay reusable, so resuming is a cache hit."""
         self.running.remove(request)
-        if self.cache is not None:
-            if keep_cached:  # its computed K/V stay reusable: resuming is a cache hit
-                self.cache.publish(request)
-            self.cache.detach(request)
-        self.pool.release(request.pages)
-        request.pages = []
-        request.num_computed_tokens = 0
+        self.kv.free(request, keep_cached)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -147,14 +134,14 @@ class Scheduler:
     def _reserve(self, request: Request, num_new_tokens: int, out: SchedulerOutput) -> bool:
         """Pages for ``num_new_tokens`` more tokens, preempting the newest running requests
         (undoing their share of this step) until they fit. False if ``request`` itself went."""
-        while not self._grow(request, num_new_tokens):
+        while not self.kv.grow(request, num_new_tokens):
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)
             for i, (r, n) in enumerate(out.scheduled):
                 if r is victim:
                     del out.scheduled[i]
-                    if n == 1 and victim.output_token_ids:
+                    if n == 1 and victim.num_output_tokens:
                         out.num_decode_tokens -= 1
                     else:
                         out.num_prefill_tokens -= n
@@ -165,12 +152,12 @@ class Scheduler:
 
     # -- admission -------------------------------------------------------------------
     def _admission_order(self) -> list[Request]:
-        if self.schedule_policy == "fcfs" or self.cache is None:
+        if self.schedule_policy == "fcfs" or not self.kv.prefix_caching:
             order = list(self.waiting)
         else:
             aged = [r for r in self.waiting if self.num_steps - r.arrival >= self.lpm_aging_steps]
             fresh = [r for r in self.waiting if self.num_steps - r.arrival < self.lpm_aging_steps]
-            fresh.sort(key=lambda r: -self.cache.match_length(r))  # stable: FCFS among equals
+            fresh.sort(key=lambda r: -self.kv.cached_length(r))  # stable: FCFS among equals
             order = aged + fresh
         return self._interleave_clients(order)
 
@@ -196,7 +183,7 @@ class Scheduler:
     def _reclaim_slot(self, out: SchedulerOutput) -> None:
         """Every slot is taken and a waiting client runs fewer than its share: preempts the
         newest request of the client running the most (one per step)."""
-        if self.static_batching or len(self.running) < self.max_num_seqs or not self.waiting:
+        if len(self.running) < self.max_num_seqs or not self.waiting:
             return
         load = Counter(r.client for r in self.running)
         clients = set(load) | {r.client for r in self.waiting}
@@ -216,26 +203,18 @@ class Scheduler:
         """True if a running request is still prefilling a prefix this one shares beyond
         what is cached: admitting it now would compute that prefix twice."""
         prefilling = [r for r in self.running if not r.is_prefill_done]
-        if self.cache is None or not prefilling:
+        if not self.kv.prefix_caching or not prefilling:
             return False  # skip the radix match: nothing to wait for
-        tokens = request.all_token_ids
-        shared = max(_common_prefix(tokens, other.prompt_token_ids) for other in prefilling)
-        return shared - self.cache.match_length(request) >= self.pool.page_size
+        tokens = request.token_ids
+        shared = max(_common_prefix(tokens, other.token_ids, other.num_prompt_tokens) for other in prefilling)
+        return shared - self.kv.cached_length(request) >= self.kv.page_size
 
     def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> bool:
         """Moves a waiting request into the batch with a first chunk; False if it cannot."""
-        if request.num_computed_tokens == 0 and self.cache is not None:
-            copy = self.cache.attach(request)
-        else:
-            copy = None
-        n = min(request.num_tokens_to_compute, budget)
-        if not self._grow(request, n):
-            if self.cache is not None:  # undo the attach: try again later
-                self.cache.unattach(request)
-            self.pool.release(request.pages)
-            request.pages = []
-            request.num_computed_tokens = 0
-            return False
+        admitted = self.kv.admit(request, budget)
+        if admitted is None:
+            return False  # nothing changed: it tries again in a later step
+        n, copy = admitted
         if copy is not None:
             out.page_copies.append(copy)
         self.waiting.remove(request)
@@ -274,49 +253,36 @@ class Scheduler:
             if self._reserve(request, n, out):
                 out.scheduled.append((request, n))
                 out.num_prefill_tokens += n
-        if self.static_batching and not self.running:
-            self._batch_slots_left = self.max_num_seqs  # the previous batch is done: open a new one
         for request in self._admission_order():
             if budget() == 0 or len(self.running) >= self.max_num_seqs:
-                break
-            is_new = request.status is RequestStatus.WAITING
-            if self.static_batching and is_new and self._batch_slots_left == 0:
                 break
             if self._shares_uncached_prefix(request):
                 continue  # wait for the running request to cache the shared prefix
             if not self._admit(request, out, budget()):
                 break
-            if is_new:
-                self._batch_slots_left -= 1
         return out
 
-    def update(self, out: SchedulerOutput, tokens: list[int], logprobs: list[float]) -> list[Request]:
-        """Applies one step's sampled tokens; returns the requests that finished."""
-        finished = []
-        for (request, n), token, logprob in zip(out.scheduled, tokens, logprobs, strict=True):
+    def update(self, out: SchedulerOutput, tokens: list[int]) -> list[Sampled]:
+        """Applies one step's sampled tokens (one per scheduled row); returns who got one."""
+        got = []
+        for row, ((request, n), token) in enumerate(zip(out.scheduled, tokens, strict=True)):
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += n
+            self.kv.commit(request, n)
             if request.num_tokens_to_compute > 0:
-                if self.cache is not None:
-                    self.cache.publish(request)  # a prefill chunk: cache what is computed so far
-                continue  # its sample is not a token
-            if self.cache is not None and n > 1:
-                self.cache.publish(request)
-            request.output_token_ids.append(token)
-            request.output_logprobs.append(logprob)
+                continue  # a prefill chunk with prompt left: its sample is not a token
+            request.token_ids.append(token)
             status = self._stop_status(request, token)
             if status is not None:
                 if status is RequestStatus.FINISHED_STOPPED:
                     request.stop_reason = token
-                self.running.remove(request)
-                self._finish(request, status)
-                finished.append(request)
-        return finished
+                self._end(request, status)
+            got.append(Sampled(request, row, token, status is not None))
+        return got
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params
-        generated = len(request.output_token_ids)
+        generated = request.num_output_tokens
         if token in request.stop_token_ids and generated > params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
         if generated >= params.max_tokens or request.num_tokens >= self.max_model_len:
@@ -324,18 +290,7 @@ class Scheduler:
         return None
 
     def check_integrity(self) -> None:
-        """Pool, tree and requests agree: every page reference is accounted for."""
-        self.pool.check_integrity()
-        refs: dict[int, int] = {}
-        if self.cache is not None:
-            self.cache.index.check_integrity()
-            refs = self.cache.index.page_refs()
-        for r in self.running:
-            for p in r.pages:
-                refs[p] = refs.get(p, 0) + 1
-        assert all(not r.pages for r in self.waiting), "a waiting request holds pages"
-        for p in range(1, self.pool.num_pages):
-            assert self.pool.refcounts[p] == refs.get(p, 0), (
-                f"page {p}: refcount {self.pool.refcounts[p]} != {refs.get(p, 0)} users"
-            )
+        """Pages, tree and requests agree; queues within their limits."""
+        self.kv.check_integrity(self.running)
+        assert all(not r.pages and r.num_computed_tokens == 0 for r in self.waiting), "a waiting request holds pages"
         assert len(self.running) <= self.max_num_seqs

@@ -14,8 +14,8 @@ are followers::
        (sampled tokens come back on all; only process 0 reads them)
 
 The broadcast is ``multihost_utils.broadcast_one_to_all`` (a collective over every
-device, so it rides the same interconnect as the model). A header of three int32
-(operation, token bucket, sequence bucket) goes first, because followers must know the
+device, so it rides the same interconnect as the model). A header of four int32
+(operation, token bucket, sequence bucket, whether the step has penalties) goes first, because followers must know the
 shapes of what they receive; the packed batch follows. Page copies (prefix-cache
 copy-on-write) are announced the same way, and ``stop`` ends the followers' loop.
 
@@ -84,14 +84,14 @@ def initialize(cfg: DistributedConfig) -> None:
 class StepChannel:
     """Process 0's calls on the jitted functions, replayed on every process."""
 
-    def announce(self, op: int, a: int = 0, b: int = 0) -> None:
+    def announce(self, op: int, a: int = 0, b: int = 0, c: int = 0) -> None:
         """Leader: what comes next (and the shapes followers must prepare for)."""
-        multihost_utils.broadcast_one_to_all(np.asarray([op, a, b], np.int32))
+        multihost_utils.broadcast_one_to_all(np.asarray([op, a, b, c], np.int32))
 
-    def next_op(self) -> tuple[int, int, int]:
+    def next_op(self) -> tuple[int, int, int, int]:
         """Follower: waits for the leader's next announcement."""
-        op, a, b = multihost_utils.broadcast_one_to_all(np.zeros(3, np.int32))
-        return int(op), int(a), int(b)
+        op, a, b, c = multihost_utils.broadcast_one_to_all(np.zeros(4, np.int32))
+        return int(op), int(a), int(b), int(c)
 
     @staticmethod
     def share(tree):

@@ -14,10 +14,13 @@ import dataclasses
 import numpy as np
 
 SCRATCH_PAGE = 0
+# Smallest token bucket by default: on XLA:CPU a matmul's rows are bitwise identical for
+# every row count >= 64, so from 64 up a request's tokens do not depend on its batch.
+MIN_TOKEN_BUCKET = 64
 
 
 def make_buckets(
-    max_num_batched_tokens: int, max_num_seqs: int, min_token_bucket: int = 64, min_seq_bucket: int = 2
+    max_num_batched_tokens: int, max_num_seqs: int, min_token_bucket: int = MIN_TOKEN_BUCKET, min_seq_bucket: int = 2
 ) -> tuple[list[int], list[int]]:
     """Token buckets (powers of two from ``min_token_bucket``, then the max) and sequence
     buckets (likewise from ``min_seq_bucket``).

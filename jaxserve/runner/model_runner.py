@@ -3,8 +3,9 @@
 A step is two jitted programs dispatched back to back (the host waits for neither):
 ``forward(state, kv_cache, attention_md) -> (kv_cache, logits)``, the model over the
 flat ragged batch with the KV write, compiled per (token bucket, sequence bucket); and
-``sample(logits, sampling_md) -> tokens, logprobs``, compiled per sequence bucket. The
-KV cache is donated, so XLA updates it in place.
+``sample(logits, sampling_md[, penalty_md]) -> tokens, logprobs``, compiled per sequence
+bucket, twice: with penalties (and the token history they need) only for steps that have
+a penalised request. The KV cache is donated, so XLA updates it in place.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.parallel import kv_cache_sharding, replicated
 from jaxserve.parallel.multihost import COPY_PAGES, STEP, STOP, StepChannel, to_host
 from jaxserve.runner import compile_counter
-from jaxserve.runner.batch import PackedBatch, ScheduledSeq, make_buckets, pack
-from jaxserve.runner.sampler import MAX_BLOCKED, SamplerOutput, SamplingMetadata, sample
+from jaxserve.runner.batch import MIN_TOKEN_BUCKET, PackedBatch, ScheduledSeq, make_buckets, pack
+from jaxserve.runner.sampler import MAX_BLOCKED, PenaltyMetadata, SamplerOutput, SamplingMetadata, sample
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -35,7 +36,7 @@ class RunnerConfig:
     max_model_len: int
     max_num_batched_tokens: int
     max_num_seqs: int
-    min_token_bucket: int = 64
+    min_token_bucket: int = MIN_TOKEN_BUCKET
     min_seq_bucket: int = 2
     attention_backend: AttentionBackend = REFERENCE
     kv_cache_dtype: str | None = None  # None: the activation dtype
@@ -71,8 +72,9 @@ class SeqSampling:
     blocked_ids: tuple[int, ...] = ()  # stop ids masked while under min_tokens
 
 
-def greedy(n: int) -> list[SeqSampling]:
-    return [SeqSampling(SamplingParams(temperature=0.0), 0) for _ in range(n)]
+def greedy(n: int, penalties: bool = False) -> list[SeqSampling]:
+    """Greedy rows; ``penalties`` gives them an (empty) history: the penalised variant."""
+    return [SeqSampling(SamplingParams(temperature=0.0), 0, [] if penalties else None) for _ in range(n)]
 
 
 def attention_metadata(b: PackedBatch) -> AttentionMetadata:
@@ -87,42 +89,43 @@ def attention_metadata(b: PackedBatch) -> AttentionMetadata:
     )
 
 
-def sampling_metadata(
-    sampling: list[SeqSampling], s_pad: int, positions: np.ndarray, max_model_len: int
-) -> SamplingMetadata:
-    f32 = np.float32
-    arrays = {
-        "temperature": np.zeros(s_pad, f32),
-        "top_k": np.zeros(s_pad, np.int32),
-        "top_p": np.ones(s_pad, f32),
-        "min_p": np.zeros(s_pad, f32),
-        "repetition_penalty": np.ones(s_pad, f32),
-        "presence_penalty": np.zeros(s_pad, f32),
-        "frequency_penalty": np.zeros(s_pad, f32),
-    }
-    seeds = np.zeros(s_pad, np.uint32)
-    history = np.full((s_pad, max_model_len), -1, np.int32)
-    num_prompt = np.zeros(s_pad, np.int32)
-    blocked = np.full((s_pad, MAX_BLOCKED), -1, np.int32)
-    num_logprobs = np.zeros(s_pad, np.int32)
+def _per_seq(sampling: list[SeqSampling], s_pad: int, defaults: dict[str, float]) -> dict[str, np.ndarray]:
+    """SamplingParams fields as [s_pad] arrays; padding rows get the no-op value."""
+    arrays = {name: np.full(s_pad, off, np.int32 if name == "top_k" else np.float32) for name, off in defaults.items()}
     for i, x in enumerate(sampling):
         for name, arr in arrays.items():
             arr[i] = getattr(x.params, name)
+    return arrays
+
+
+def sampling_metadata(
+    sampling: list[SeqSampling], s_pad: int, positions: np.ndarray, max_model_len: int
+) -> tuple[SamplingMetadata, PenaltyMetadata | None]:
+    """The sampler's inputs; penalty inputs only when a sequence has a history."""
+    seeds = np.zeros(s_pad, np.uint32)
+    blocked = np.full((s_pad, MAX_BLOCKED), -1, np.int32)
+    num_logprobs = np.zeros(s_pad, np.int32)
+    for i, x in enumerate(sampling):
         seeds[i] = _seed32(x.seed)
-        if x.history is not None:
-            history[i, : len(x.history)] = x.history
-            num_prompt[i] = x.num_prompt_tokens
         blocked[i, : len(x.blocked_ids)] = x.blocked_ids
         num_logprobs[i] = x.params.logprobs or 0
-    return SamplingMetadata(
-        **arrays,
+    smd = SamplingMetadata(
+        **_per_seq(sampling, s_pad, {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}),
         seeds=seeds,
         positions=positions,
-        token_history=history,
-        num_prompt_tokens=num_prompt,
         blocked_ids=blocked,
         num_logprobs=num_logprobs,
     )
+    if all(x.history is None for x in sampling):
+        return smd, None
+    history = np.full((s_pad, max_model_len), -1, np.int32)
+    num_prompt = np.zeros(s_pad, np.int32)
+    for i, x in enumerate(sampling):
+        if x.history is not None:
+            history[i, : len(x.history)] = x.history
+            num_prompt[i] = x.num_prompt_tokens
+    off = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    return smd, PenaltyMetadata(**_per_seq(sampling, s_pad, off), token_history=history, num_prompt_tokens=num_prompt)
 
 
 def bucket_seqs(cfg: RunnerConfig, t: int, s: int) -> list[ScheduledSeq]:
@@ -131,14 +134,17 @@ def bucket_seqs(cfg: RunnerConfig, t: int, s: int) -> list[ScheduledSeq]:
     return [ScheduledSeq([0] * n, 0, [0] * cfg.pages_per_seq) for n in sizes]
 
 
+StepInputs = tuple[AttentionMetadata, SamplingMetadata, PenaltyMetadata | None]
+
+
 def step_inputs(
     cfg: RunnerConfig, seqs: list[ScheduledSeq], sampling: list[SeqSampling]
-) -> tuple[PackedBatch, AttentionMetadata, SamplingMetadata]:
-    """The packed batch and the step's two metadata pytrees (numpy)."""
+) -> tuple[PackedBatch, StepInputs]:
+    """The packed batch and the step's metadata pytrees (numpy)."""
     tokens, seq_buckets = cfg.buckets
     b = pack(seqs, cfg.page_size, cfg.pages_per_seq, tokens, seq_buckets)
-    smd = sampling_metadata(sampling, len(b.kv_lens), b.kv_lens.copy(), cfg.max_model_len)
-    return b, attention_metadata(b), smd
+    smd, pmd = sampling_metadata(sampling, len(b.kv_lens), b.kv_lens.copy(), cfg.max_model_len)
+    return b, (attention_metadata(b), smd, pmd)
 
 
 def _run_model(graphdef, backend: AttentionBackend):
@@ -190,6 +196,7 @@ class ModelRunner:
         spans_processes = mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat)
         self.channel = StepChannel() if spans_processes else None
         self.timings = {"pack_s": 0.0, "device_s": 0.0}  # cumulative, for profiles
+        self.input_bytes = 0  # cumulative bytes of step inputs sent to the device
         if mesh is None:
             self._new_kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype))
         else:  # allocated in place on every device: each holds its KV heads of every page
@@ -220,12 +227,13 @@ class ModelRunner:
     def execute(self, seqs: list[ScheduledSeq], sampling: list[SeqSampling]) -> SamplerOutput:
         """Runs one step; returns the sampler's output (numpy) for the real sequences."""
         t0 = time.perf_counter()
-        b, md, smd = self._inputs(seqs, sampling)
+        b, inputs = step_inputs(self.cfg, seqs, sampling)
         if self.channel is not None:  # every process runs the same step (multihost.py)
-            self.channel.announce(STEP, len(b.input_ids), len(b.kv_lens))
-            md, smd = self.channel.share((md, smd))
+            self.channel.announce(STEP, len(b.input_ids), len(b.kv_lens), inputs[2] is not None)
+            inputs = self.channel.share(inputs)
+        self.input_bytes += sum(x.nbytes for x in jax.tree.leaves(inputs))
         t1 = time.perf_counter()
-        out = self._step(md, smd)
+        out = self._step(*inputs)
         n = b.num_seqs
         result = jax.tree.map(lambda a: to_host(a)[:n], out)
         t2 = time.perf_counter()
@@ -244,27 +252,21 @@ class ModelRunner:
             self.kv_cache.delete()
         self.kv_cache = self._new_kv_cache()
 
-    def _step(self, md: AttentionMetadata, smd: SamplingMetadata) -> SamplerOutput:
+    def _step(self, md: AttentionMetadata, smd: SamplingMetadata, pmd: PenaltyMetadata | None) -> SamplerOutput:
         self.kv_cache, logits = self._forward(self.state, self.kv_cache, md)
-        return self._sample(logits, smd)
-
-    def _inputs(
-        self, seqs: list[ScheduledSeq], sampling: list[SeqSampling]
-    ) -> tuple[PackedBatch, AttentionMetadata, SamplingMetadata]:
-        return step_inputs(self.cfg, seqs, sampling)
+        return self._sample(logits, smd) if pmd is None else self._sample(logits, smd, pmd)
 
     def follow(self) -> None:
         """Followers (process > 0): replay the leader's steps and page copies until it stops."""
         if self.channel is None or jax.process_index() == 0:
             raise RuntimeError("follow() is for processes other than 0 of a multi-process run")
         while True:
-            op, a, b = self.channel.next_op()
+            op, a, b, penalties = self.channel.next_op()
             if op == STOP:
                 return
             if op == STEP:
-                _, *inputs = self._inputs(bucket_seqs(self.cfg, a, b), greedy(b))
-                md, smd = self.channel.share(tuple(inputs))
-                self._step(md, smd)
+                _, inputs = step_inputs(self.cfg, bucket_seqs(self.cfg, a, b), greedy(b, bool(penalties)))
+                self._step(*self.channel.share(inputs))
             elif op == COPY_PAGES:
                 src, dst = self.channel.share((np.zeros(a, np.int32), np.zeros(a, np.int32)))
                 self.kv_cache = self._copy_pages(self.kv_cache, src, dst)
@@ -286,9 +288,13 @@ class ModelRunner:
         return np.asarray(logits)[: b.num_tokens]
 
     def warmup(self, progress: bool = True) -> None:
-        """Compiles the step for every (token bucket, sequence bucket) pair."""
-        for t, s in tqdm(self.cfg.bucket_pairs, desc="compiling step buckets", disable=not progress, leave=False):
-            self.execute(bucket_seqs(self.cfg, t, s), greedy(s))
+        """Compiles the step for every (token bucket, sequence bucket) pair, and the
+        penalised sampler for every sequence bucket."""
+        pairs = self.cfg.bucket_pairs
+        penalised = {s: (t, s) for t, s in reversed(pairs)}.values()  # the smallest t per s
+        jobs = [(t, s, False) for t, s in pairs] + [(t, s, True) for t, s in penalised]
+        for t, s, penalties in tqdm(jobs, desc="compiling step buckets", disable=not progress, leave=False):
+            self.execute(bucket_seqs(self.cfg, t, s), greedy(s, penalties))
         self.copy_pages([(0, 0)])
 
     @property

@@ -7,6 +7,11 @@ or temperature -> top-k -> top-p -> min-p -> categorical draw. Each sequence's k
 position whatever else shares the batch. Logprobs are of the raw model distribution.
 Steps where nobody needs a feature skip it (``lax.cond``), so the common all-greedy step
 is a plain argmax.
+
+Penalties need each sequence's token history, ``[S, max_model_len]``: megabytes per step
+on an accelerator. Only steps with a penalised request send it: ``sample`` called with
+``penalties`` is a second compiled variant (per sequence bucket, compiled at warm-up),
+and the other steps neither ship the history nor trace the penalty scatter.
 """
 
 from __future__ import annotations
@@ -27,15 +32,22 @@ class SamplingMetadata:
     top_k: jax.Array  # [S] int32, 0 = off
     top_p: jax.Array  # [S] float32, 1 = off
     min_p: jax.Array  # [S] float32, 0 = off
+    seeds: jax.Array  # [S] uint32
+    positions: jax.Array  # [S] int32, position of the token being sampled
+    blocked_ids: jax.Array  # [S, MAX_BLOCKED] int32, -1 padding
+    num_logprobs: jax.Array  # [S] int32, top-n wanted (0 = none)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PenaltyMetadata:
+    """Only for steps where some sequence has a penalty; rows without one are no-ops."""
+
     repetition_penalty: jax.Array  # [S] float32, 1 = off
     presence_penalty: jax.Array  # [S] float32, 0 = off
     frequency_penalty: jax.Array  # [S] float32, 0 = off
-    seeds: jax.Array  # [S] uint32
-    positions: jax.Array  # [S] int32, position of the token being sampled
-    token_history: jax.Array  # [S, H] int32: prompt then output ids, -1 padding (penalties only)
+    token_history: jax.Array  # [S, H] int32: prompt then output ids, -1 padding
     num_prompt_tokens: jax.Array  # [S] int32
-    blocked_ids: jax.Array  # [S, MAX_BLOCKED] int32, -1 padding
-    num_logprobs: jax.Array  # [S] int32, top-n wanted (0 = none)
 
 
 @jax.tree_util.register_dataclass
@@ -54,18 +66,24 @@ def _counts(ids: jax.Array, keep: jax.Array, vocab: int) -> jax.Array:
     return jnp.zeros((ids.shape[0], vocab + 1), jnp.int32).at[rows, ids].add(1)[:, :vocab]
 
 
-def _process(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    s, vocab = logits.shape
-    hist = md.token_history
-    is_output = jnp.arange(hist.shape[1])[None, :] >= md.num_prompt_tokens[:, None]
+def penalize(logits: jax.Array, pmd: PenaltyMetadata) -> jax.Array:
+    """Repetition (prompt + output), frequency and presence (output) penalties."""
+    vocab = logits.shape[1]
+    hist = pmd.token_history
+    is_output = jnp.arange(hist.shape[1])[None, :] >= pmd.num_prompt_tokens[:, None]
     seen = _counts(hist, jnp.ones_like(is_output), vocab) > 0
     out_counts = _counts(hist, is_output, vocab).astype(logits.dtype)
-    rp = md.repetition_penalty[:, None]
+    rp = pmd.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
-    logits = logits - md.frequency_penalty[:, None] * out_counts
-    logits = logits - md.presence_penalty[:, None] * (out_counts > 0)
+    logits = logits - pmd.frequency_penalty[:, None] * out_counts
+    return logits - pmd.presence_penalty[:, None] * (out_counts > 0)
+
+
+def block(logits: jax.Array, blocked_ids: jax.Array) -> jax.Array:
+    """-inf at each row's blocked ids (stop tokens under min_tokens; -1 is padding)."""
+    s, vocab = logits.shape
     rows = jnp.arange(s)[:, None]
-    blocked = jnp.where(md.blocked_ids >= 0, md.blocked_ids, vocab)
+    blocked = jnp.where(blocked_ids >= 0, blocked_ids, vocab)
     return jnp.concatenate([logits, jnp.zeros((s, 1), logits.dtype)], axis=1).at[rows, blocked].set(-jnp.inf)[:, :vocab]
 
 
@@ -133,15 +151,11 @@ def _sample_rows(logits, md: SamplingMetadata) -> jax.Array:
     return jnp.where(md.temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+def sample(logits: jax.Array, md: SamplingMetadata, penalties: PenaltyMetadata | None = None) -> SamplerOutput:
     raw = logits
-    needs_processing = (
-        jnp.any(md.repetition_penalty != 1)
-        | jnp.any(md.presence_penalty != 0)
-        | jnp.any(md.frequency_penalty != 0)
-        | jnp.any(md.blocked_ids >= 0)
-    )
-    logits = jax.lax.cond(needs_processing, _process, lambda x, _: x, logits, md)
+    if penalties is not None:  # a separate compiled variant (see the module doc)
+        logits = penalize(logits, penalties)
+    logits = jax.lax.cond(jnp.any(md.blocked_ids >= 0), block, lambda x, _: x, logits, md.blocked_ids)
 
     def random(x):
         return _sample_rows(x, md)

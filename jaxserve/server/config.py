@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from jaxserve.config import EngineConfig, check_types, read_config_file
+from jaxserve.config import EngineConfig, Rule, at_least, check_types, option, read_config_file
 from jaxserve.errors import ConfigError
 
 # RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
@@ -27,59 +27,61 @@ def valid_host(host: str) -> bool:
         return bool(_HOST_NAME.match(host))
 
 
+_READABLE = Rule(lambda path: Path(path).is_file(), "the path of a readable file")
+
+
 def grpc_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"  # gRPC and metrics listen here only
-    port: int = 50051
-    metrics_port: int | None = 9090  # Prometheus text format over HTTP; null = off
-    max_waiting_requests: int = 256  # beyond this, new requests get RESOURCE_EXHAUSTED
-    drain_grace_seconds: float = 30.0  # SIGTERM: let in-flight requests finish this long
-    warmup: bool = True  # compile every bucket before reporting SERVING
-    # -- limits (RESOURCE_EXHAUSTED / INVALID_ARGUMENT naming the limit) ----------------
-    max_prompt_chars: int = 1_000_000  # checked before tokenizing
-    max_prompt_tokens: int | None = None  # null = max_model_len - 1
-    max_tokens_limit: int | None = None  # cap on a request's max_tokens; null = the context
-    # A client is its authenticated identity (auth_tokens_file), or its peer address.
-    max_requests_per_client: int = 128  # in flight (waiting or running) at once
-    max_queued_tokens_per_client: int = 2_000_000  # prompt + max_tokens of its requests in flight
-    # -- security ----------------------------------------------------------------------
-    tls_cert_file: str | None = None  # PEM server certificate (chain); with tls_key_file
-    tls_key_file: str | None = None
-    tls_client_ca_file: str | None = None  # PEM CA: clients must present a certificate it signed
-    # Lines of `identity token`; calls must send `authorization: Bearer <token>` metadata.
-    auth_tokens_file: str | None = None
+    host: str = option(
+        "127.0.0.1",
+        "gRPC and metrics listen here only (loopback by default).",
+        Rule(valid_host, "an IP address or a host name, without a port (e.g. 127.0.0.1, ::1)"),
+    )
+    port: int = option(
+        50051, "gRPC port (0: any free port).", Rule(lambda v: 0 <= v < 65536, "an integer in [0, 65535]")
+    )
+    metrics_port: int | None = option(
+        9090,
+        "Prometheus text format over HTTP (null: off).",
+        Rule(lambda v: 0 <= v < 65536, "an integer in [0, 65535]"),
+    )
+    max_waiting_requests: int = option(256, "Beyond this, new requests get RESOURCE_EXHAUSTED.", at_least(1))
+    drain_grace_seconds: float = option(
+        30.0, "On SIGTERM, in-flight requests may finish for this long.", at_least(0, "a number")
+    )
+    warmup: bool = option(True, "Compile every bucket before reporting SERVING.")
+    max_prompt_chars: int = option(1_000_000, "Longest text prompt, checked before tokenizing.", at_least(1))
+    max_prompt_tokens: int | None = option(None, "Longest prompt in tokens (null: max_model_len - 1).", at_least(1))
+    max_tokens_limit: int | None = option(None, "Cap on a request's max_tokens (null: the context).", at_least(1))
+    max_requests_per_client: int = option(
+        128,
+        "Requests of one client in flight (waiting or running). A client is its authenticated identity "
+        "(auth_tokens_file), or its peer address.",
+        at_least(1),
+    )
+    max_queued_tokens_per_client: int = option(
+        2_000_000, "Prompt + max_tokens of one client's requests in flight.", at_least(2)
+    )
+    tls_cert_file: str | None = option(None, "PEM server certificate (chain); with tls_key_file.", _READABLE)
+    tls_key_file: str | None = option(None, "PEM private key of tls_cert_file.", _READABLE)
+    tls_client_ca_file: str | None = option(
+        None, "PEM CA: clients must present a certificate it signed (mutual TLS).", _READABLE
+    )
+    auth_tokens_file: str | None = option(
+        None, "Lines of `identity token`; calls must send `authorization: Bearer <token>` metadata.", _READABLE
+    )
 
     def __post_init__(self) -> None:
-        check_types(self, "server.")
-
-        def need(key: str, ok: bool, allowed: str) -> None:
-            if not ok:
-                raise ConfigError(f"server.{key} = {getattr(self, key)!r}: must be {allowed}")
-
-        need("host", valid_host(self.host), "an IP address or a host name, without a port (e.g. 127.0.0.1, ::1)")
-        need("port", 0 <= self.port < 65536, "an integer in [0, 65535] (0 = any free port)")
-        need(
-            "metrics_port",
-            self.metrics_port is None or 0 <= self.metrics_port < 65536,
-            "null or an integer in [0, 65535]",
-        )
-        for key in ("max_waiting_requests", "max_prompt_chars", "max_requests_per_client"):
-            need(key, getattr(self, key) >= 1, "an integer >= 1")
-        need("max_queued_tokens_per_client", self.max_queued_tokens_per_client >= 2, "an integer >= 2")
-        for key in ("max_prompt_tokens", "max_tokens_limit"):
-            need(key, getattr(self, key) is None or getattr(self, key) >= 1, "null or an integer >= 1")
-        need("drain_grace_seconds", self.drain_grace_seconds >= 0, "a number >= 0")
+        # Pairs first: "give both" says more than "no such file" about half a pair.
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ConfigError("server.tls_cert_file and server.tls_key_file: give both (TLS) or neither")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ConfigError("server.tls_client_ca_file: mutual TLS needs server.tls_cert_file and tls_key_file")
-        for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file"):
-            path = getattr(self, key)
-            need(key, path is None or Path(path).is_file(), "null or the path of a readable file")
+        check_types(self, "server.")
         # gRPC says only "failed to bind" about a file that is not PEM: say which one it is.
         for key, marker in (
             ("tls_cert_file", b"-----BEGIN CERTIFICATE-----"),
@@ -87,11 +89,8 @@ class ServerConfig:
             ("tls_key_file", b"PRIVATE KEY-----"),
         ):
             path = getattr(self, key)
-            need(
-                key,
-                path is None or marker in Path(path).read_bytes(),
-                f"a PEM file holding a {marker.decode()!r} block",
-            )
+            if path is not None and marker not in Path(path).read_bytes():
+                raise ConfigError(f"server.{key} = {path!r}: must be a PEM file holding a {marker.decode()!r} block")
 
     @property
     def tls(self) -> bool:

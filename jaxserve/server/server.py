@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from jaxserve.assembly import EngineHandle
 from jaxserve.engine.async_engine import ClientLimits, EngineThread
 from jaxserve.errors import ConfigError
 from jaxserve.server.auth import TokenAuth, read_tokens
@@ -34,18 +35,20 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 class Server:
-    """One serving instance over an ``LLM`` (model loaded, engine built)."""
+    """One serving instance over an assembled engine (``jaxserve.assembly``)."""
 
-    def __init__(self, llm, cfg: ServerConfig, model_name: str, progress: bool = True, before_serving=None):
+    def __init__(
+        self, handle: EngineHandle, cfg: ServerConfig, model_name: str, progress: bool = True, before_serving=None
+    ):
         """``before_serving``: an optional coroutine function awaited after warm-up and
         before SERVING is reported (tests use it to observe the NOT_SERVING phase)."""
-        self.llm = llm
+        self.handle = handle
         self.before_serving = before_serving
         self.cfg = cfg
         self.progress = progress
         self.metrics = Metrics(snapshot=lambda: self.engine_thread.snapshot)
         self.engine_thread = EngineThread(
-            llm.engine,
+            handle.engine,
             cfg.max_waiting_requests,
             on_step=self.metrics.on_step,
             on_recovery=self._on_recovery,
@@ -53,7 +56,7 @@ class Server:
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self.auth = TokenAuth(read_tokens(cfg.auth_tokens_file)) if cfg.auth_tokens_file else None
-        self.servicer = JaxServeServicer(llm, self.engine_thread, model_name, cfg, self.auth, self.metrics)
+        self.servicer = JaxServeServicer(handle, self.engine_thread, model_name, cfg, self.auth, self.metrics)
         self.health = HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -126,7 +129,7 @@ class Server:
         if self.on_bound is not None:
             self.on_bound()
         # Warm-up runs on the engine thread, which owns the engine from here on.
-        warmup = functools.partial(self.llm.runner.warmup, self.progress) if self.cfg.warmup else None
+        warmup = functools.partial(self.handle.engine.runner.warmup, self.progress) if self.cfg.warmup else None
         self.engine_thread.start(warmup)
         # Polled rather than awaited in an executor: Ctrl-C during warm-up must not wait for
         # a thread pool that is blocked until warm-up ends.

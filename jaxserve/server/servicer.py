@@ -16,6 +16,7 @@ import uuid
 
 import grpc
 
+from jaxserve.assembly import EngineHandle
 from jaxserve.engine.async_engine import (
     Delta,
     EngineStoppedError,
@@ -61,7 +62,7 @@ def _fill(msg, delta: Delta) -> None:
 class JaxServeServicer(pb_grpc.JaxServeServicer):
     def __init__(
         self,
-        llm,
+        handle: EngineHandle,
         engine_thread: EngineThread,
         model_name: str,
         cfg: ServerConfig | None = None,
@@ -69,7 +70,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         metrics: Metrics | None = None,
     ):
         cfg = cfg or ServerConfig(metrics_port=None)
-        self.llm = llm
+        self.handle = handle
         self.engine = engine_thread
         self.model_name = model_name
         self.auth = auth
@@ -108,7 +109,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         loop = asyncio.get_running_loop()
         pool = self._validate_large if request.ByteSize() > LARGE_REQUEST_BYTES else self._validate_small
         try:
-            ids, params = await loop.run_in_executor(pool, validate, request, self.llm, self.limits)
+            ids, params = await loop.run_in_executor(pool, validate, request, self.handle, self.limits)
         except RequestError as e:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e))
         request_id = request.request_id or f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
@@ -149,15 +150,15 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         return msg
 
     async def GetModelInfo(self, request, context):
-        cfg, mcfg = self.llm.config, self.llm.model_config
+        cfg, mcfg, plan = self.handle.config, self.handle.model_config, self.handle.plan
         return pb.ModelInfo(
             model=self.model_name,
             model_type=mcfg.model_type,
-            max_model_len=self.llm.max_model_len,
+            max_model_len=plan.max_model_len,
             vocab_size=mcfg.vocab_size,
-            dtype=self.llm.dtype,
+            dtype=plan.dtype,
             page_size=cfg.page_size,
-            num_pages=self.llm.pool.num_pages,
+            num_pages=plan.num_pages,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
         )

@@ -7,9 +7,12 @@ Sizes are checked before tokenizing (``server.max_prompt_chars``), then the serv
 
 from __future__ import annotations
 
+import dataclasses
+
 import jinja2
 import numpy as np
 
+from jaxserve.assembly import EngineHandle
 from jaxserve.errors import RequestError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.config import ServerConfig
@@ -26,31 +29,28 @@ def _wire_float(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-_OPTIONAL = (
-    "max_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "seed",
-    "ignore_eos",
-    "min_tokens",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "logprobs",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-)
+# The wire's sampling fields are SamplingParams' own, by name (a test checks both ways):
+# adding an option is a SamplingParams field plus its proto field, no list here.
+_WIRE = pb.SamplingParams.DESCRIPTOR.fields_by_name
+
+
+def _from_wire(msg: pb.SamplingParams) -> dict:
+    """The fields the client set, as SamplingParams keyword arguments."""
+    kwargs = {}
+    for name in (f.name for f in dataclasses.fields(SamplingParams)):
+        field = _WIRE[name]
+        if field.label == field.LABEL_REPEATED:
+            kwargs[name] = tuple(getattr(msg, name))
+        elif msg.HasField(name):
+            value = getattr(msg, name)
+            kwargs[name] = _wire_float(value) if field.type == field.TYPE_FLOAT else value
+    return kwargs
 
 
 def sampling_params(
     msg: pb.SamplingParams, prompt_len: int, max_model_len: int, max_tokens_limit: int | None = None
 ) -> SamplingParams:
-    kwargs = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-        if name in kwargs:
-            kwargs[name] = _wire_float(kwargs[name])
+    kwargs = _from_wire(msg)
     room = max_model_len - prompt_len
     cap = room if max_tokens_limit is None else min(room, max_tokens_limit)
     max_tokens = kwargs.setdefault("max_tokens", min(cap, 1024))
@@ -64,15 +64,15 @@ def sampling_params(
             f"sampling_params.max_tokens = {max_tokens}: prompt ({prompt_len} tokens) + max_tokens must be "
             f"<= max_model_len ({max_model_len}); at most {room} here"
         )
-    kwargs["stop_token_ids"] = tuple(msg.stop_token_ids)
-    kwargs["stop"] = tuple(msg.stop)
     try:
         return SamplingParams(**kwargs)
     except TypeError as e:  # a bool where a number belongs and the like
         raise RequestError(f"sampling_params: {e}") from None
 
 
-def prompt_ids(msg: pb.GenerateRequest, llm, max_chars: int = ServerConfig.max_prompt_chars) -> list[int]:
+def prompt_ids(
+    msg: pb.GenerateRequest, handle: EngineHandle, max_chars: int = ServerConfig.max_prompt_chars
+) -> list[int]:
     """Token ids of the request's prompt (text, token ids, or chat with the template)."""
     kind = msg.WhichOneof("prompt")
     if kind is None:
@@ -82,12 +82,12 @@ def prompt_ids(msg: pb.GenerateRequest, llm, max_chars: int = ServerConfig.max_p
             raise RequestError("text: the prompt is empty")
         if len(msg.text) > max_chars:
             raise RequestError(f"text: {len(msg.text)} characters; at most {max_chars} (server.max_prompt_chars)")
-        return llm.encode(msg.text)
+        return handle.encode(msg.text)
     if kind == "token_ids":
         ids = list(msg.token_ids.ids)
         if not ids:
             raise RequestError("token_ids: the prompt is empty")
-        vocab = llm.model_config.vocab_size
+        vocab = handle.model_config.vocab_size
         for i, t in enumerate(ids):
             if not 0 <= t < vocab:
                 raise RequestError(f"token_ids.ids[{i}] = {t}: out of range; allowed 0..{vocab - 1}")
@@ -105,22 +105,24 @@ def prompt_ids(msg: pb.GenerateRequest, llm, max_chars: int = ServerConfig.max_p
         if total > max_chars:
             raise RequestError(f"chat.messages: over {max_chars} characters in all (server.max_prompt_chars)")
     try:
-        return llm.encode(messages)
+        return handle.encode(messages)
     except jinja2.TemplateError as e:  # e.g. "roles must alternate user/assistant"
         raise RequestError(f"chat.messages: the model's chat template refuses them: {str(e)[:300]}") from None
 
 
-def validate(msg: pb.GenerateRequest, llm, limits: ServerConfig = _DEFAULT_LIMITS) -> tuple[list[int], SamplingParams]:
+def validate(
+    msg: pb.GenerateRequest, handle: EngineHandle, limits: ServerConfig = _DEFAULT_LIMITS
+) -> tuple[list[int], SamplingParams]:
     """The prompt's token ids and the sampling parameters, within ``limits`` (the server's
     max_prompt_chars, max_prompt_tokens and max_tokens_limit)."""
     if len(msg.request_id) > MAX_REQUEST_ID_LEN:
         raise RequestError(f"request_id: {len(msg.request_id)} characters; at most {MAX_REQUEST_ID_LEN}")
-    ids = prompt_ids(msg, llm, limits.max_prompt_chars)
-    if len(ids) >= llm.max_model_len:
-        raise RequestError(f"prompt: {len(ids)} tokens; must be shorter than max_model_len ({llm.max_model_len})")
+    ids = prompt_ids(msg, handle, limits.max_prompt_chars)
+    if len(ids) >= handle.max_model_len:
+        raise RequestError(f"prompt: {len(ids)} tokens; must be shorter than max_model_len ({handle.max_model_len})")
     if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
         raise RequestError(
             f"prompt: {len(ids)} tokens; this server allows at most {limits.max_prompt_tokens} "
             f"(server.max_prompt_tokens)"
         )
-    return ids, sampling_params(msg.sampling_params, len(ids), llm.max_model_len, limits.max_tokens_limit)
+    return ids, sampling_params(msg.sampling_params, len(ids), handle.max_model_len, limits.max_tokens_limit)

@@ -1,9 +1,9 @@
-"""Runs the same `jaxserve bench` workload against servers started with different configs,
-one after another in one run, and prints the figures side by side with ratios.
+"""The same `jaxserve bench serve` workload against servers started with different
+configs, one after another in one run, side by side with ratios.
 
-    python scripts/compare.py chunking        # max_num_batched_tokens 64/128/256 vs off (4096)
-    python scripts/compare.py prefix-cache    # prefix caching off / page / token
-    python scripts/compare.py custom --variant a:max_num_seqs=8 --variant b:max_num_seqs=32 --bench-args="--workload random"
+    jaxserve bench compare chunking        # max_num_batched_tokens 64/128/256 vs off (4096)
+    jaxserve bench compare prefix-cache    # prefix caching off / page / token
+    jaxserve bench compare custom --variant a:max_num_seqs=8 --variant b:max_num_seqs=32 --bench-args="--workload random"
 
 Each variant is `jaxserve run --config CONFIG --set KEY=VALUE ...` on a free port; the
 bench runs once SERVING is reported; the server is stopped with SIGTERM afterwards.
@@ -21,9 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jaxserve.bench import footer, parse_variant
 from jaxserve.client import wait_until_serving
-
-ROOT = Path(__file__).resolve().parent.parent
+from jaxserve.errors import ConfigError
 
 PRESETS = {
     "chunking": (
@@ -50,10 +50,10 @@ PRESETS = {
 
 
 def run_variant(name: str, sets: list[str], common: list[str], args, bench_args: str) -> dict:
-    cmd = [sys.executable, "-m", "jaxserve.cli", "run", "--config", args.config, "--quiet"]
+    cmd = [sys.executable, "-m", "jaxserve.cli", "run", "--quiet"] + (["--config", args.config] if args.config else [])
     for item in [*common, *sets, "server.port=0", "server.metrics_port=null", "server.drain_grace_seconds=0"]:
         cmd += ["--set", item]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         port = None
         for line in proc.stdout:
@@ -67,8 +67,8 @@ def run_variant(name: str, sets: list[str], common: list[str], args, bench_args:
         wait_until_serving(address, args.startup_timeout, is_alive=lambda: proc.poll() is None)
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "report.json"
-            bench = [sys.executable, "-m", "jaxserve.cli", "bench", "--server", address, "--quiet", "--json", str(out)]
-            subprocess.run(bench + shlex.split(bench_args), check=True, cwd=ROOT)
+            bench = [sys.executable, "-m", "jaxserve.cli", "bench", "serve", "--server", address, "--quiet"]
+            subprocess.run([*bench, "--json", str(out), *shlex.split(bench_args)], check=True)
             return json.loads(out.read_text())
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -78,17 +78,20 @@ def run_variant(name: str, sets: list[str], common: list[str], args, bench_args:
             proc.kill()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("preset", choices=[*PRESETS, "custom"])
-    ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2-135m.yaml"))
+    ap.add_argument("--config", default=None, help="YAML file of engine and server options, as for `jaxserve run`")
     ap.add_argument("--variant", action="append", default=[], help="custom: NAME:KEY=VALUE[,KEY=VALUE...]")
-    ap.add_argument("--bench-args", default=None, help="arguments for jaxserve bench (overrides the preset's)")
+    ap.add_argument("--bench-args", default=None, help="arguments for jaxserve bench serve (overrides the preset's)")
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for every variant")
     ap.add_argument("--startup-timeout", type=float, default=900)
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     if args.preset == "custom":
-        variants = [(v.split(":", 1)[0], v.split(":", 1)[1].split(",")) for v in args.variant]
+        if not args.variant:
+            raise ConfigError("compare custom: give at least one --variant NAME:KEY=VALUE[,KEY=VALUE...]")
+        variants = [parse_variant(v) for v in args.variant]
         bench_args, common = args.bench_args or "--workload random", []
     else:
         variants, bench_args, common = PRESETS[args.preset]
@@ -97,7 +100,7 @@ def main() -> int:
     reports = {name: run_variant(name, sets, common, args, bench_args) for name, sets in variants}
     section = "steady" if "long-prompt-interference" in bench_args else "all"
     base = next(iter(reports))
-    print(f"\n{args.preset}: jaxserve bench {bench_args}  (section: {section})")
+    print(f"\n{args.preset}: jaxserve bench serve {bench_args}  (section: {section})")
     print(
         f"{'variant':14s} {'ITL p50 ms':>11s} {'ITL p99 ms':>11s} {'p99/p50':>8s} {'TTFT p50 ms':>12s} {'total tok/s':>12s} {'hit rate':>9s} {'vs ' + base:>10s}"
     )
@@ -112,9 +115,5 @@ def main() -> int:
             f"{name:14s} {itl['p50'] * 1e3:11.1f} {itl['p99'] * 1e3:11.1f} {itl['p99'] / itl['p50']:8.2f} "
             f"{s['ttft_s']['p50'] * 1e3:12.1f} {rep['all']['total_throughput']:12.1f} {rep['all']['prefix_cache_hit_rate']:9.1%} {ratio:9.2f}x"
         )
-    print("command: python " + " ".join(sys.argv))
+    footer(args)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

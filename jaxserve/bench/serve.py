@@ -1,5 +1,5 @@
-"""`jaxserve bench`: a gRPC load generator with serving metrics (like vLLM's and SGLang's
-serving benchmarks).
+"""A gRPC load generator with serving metrics, against a running server (like vLLM's and
+SGLang's serving benchmarks).
 
 Workloads (token-id prompts, EOS ignored so output lengths are exact):
   random                    prompt / output lengths drawn uniformly from ranges
@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxserve.bench import footer
 from jaxserve.client import build_request
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
 
@@ -229,6 +230,7 @@ def add_arguments(p) -> None:
 def main(args) -> int:
     report = asyncio.run(run_bench(args))
     print_report(report)
+    footer(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

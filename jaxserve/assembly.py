@@ -1,0 +1,94 @@
+"""Wires one engine from a config; the offline ``LLM`` and the server both start here::
+
+    EngineConfig ──resolve_plan──▶ EnginePlan ──assemble──▶ EngineHandle
+                                                  checkpoint + weights -> ModelRunner
+                                                  KVManager -> Scheduler
+                                                  Engine(runner, scheduler, tokenizer)
+
+The handle is what a front end needs and nothing more: the engine (to step or to hand to
+an ``EngineThread``), the plan and model config (limits, model info), and ``encode``
+(prompt text, token ids or chat messages to token ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.kv_manager import KVManager
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.errors import RequestError
+from jaxserve.models.checkpoint import open_checkpoint
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.fetch import resolve_model
+from jaxserve.models.loading import load_model, weight_bytes
+from jaxserve.parallel.multihost import DistributedConfig, initialize
+from jaxserve.plan import EnginePlan, check_memory, device_free_bytes, resolve_plan
+from jaxserve.runner.model_runner import ModelRunner
+
+ChatMessages = list[dict[str, str]]
+Prompt = str | list[int] | ChatMessages
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineHandle:
+    config: EngineConfig
+    plan: EnginePlan
+    model_config: ModelConfig
+    tokenizer: Any
+    engine: Engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.plan.max_model_len
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text, token-id list or chat message list (template applied)."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            for i, m in enumerate(prompt):
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise RequestError(f"messages[{i}] must have string 'role' and 'content'")
+            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"prompt token id {bad[0]} is out of range; allowed: 0..{vocab - 1}")
+        else:
+            raise RequestError("a prompt must be a string, a list of token ids, or a list of chat messages")
+        if not ids:
+            raise RequestError("the prompt is empty")
+        return ids
+
+
+def assemble(cfg: EngineConfig, progress: bool = True, keep_step_records: bool = False) -> EngineHandle:
+    """Joins the cluster (if any), loads the model and builds the engine."""
+    distributed = DistributedConfig.from_option(cfg.distributed)
+    if distributed is not None:  # before anything else touches JAX
+        initialize(distributed)
+    ckpt = open_checkpoint(resolve_model(cfg.model, cfg.cache_dir))
+    mcfg = ckpt.config
+    tokenizer = ckpt.tokenizer()
+    plan = resolve_plan(cfg, mcfg)
+    check_memory(plan, weight_bytes(mcfg, plan.dtype, plan.weight_dtype), device_free_bytes(jax.local_devices()[0]))
+    kv = KVManager(plan.num_pages, cfg.page_size, cfg.enable_prefix_caching, cfg.prefix_match)
+    model = load_model(ckpt, plan.dtype, progress=progress, mesh=plan.mesh, weight_dtype=plan.weight_dtype)
+    eos = set(mcfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    scheduler = Scheduler(
+        kv,
+        cfg.max_num_batched_tokens,
+        cfg.max_num_seqs,
+        plan.max_model_len,
+        schedule_policy=cfg.schedule_policy,
+        lpm_aging_steps=cfg.lpm_aging_steps,
+    )
+    engine = Engine(ModelRunner(model, plan.runner), scheduler, tokenizer, eos, keep_step_records=keep_step_records)
+    return EngineHandle(cfg, plan, mcfg, tokenizer, engine)

@@ -1,0 +1,144 @@
+"""Offline throughput of the engine (continuous batching, chunked prefill) on one workload,
+against variants of its config, static batching and transformers' padded `generate`.
+
+Workload: ``--requests`` token-id prompts with lengths drawn from ``--prompt LO:HI`` and
+outputs from ``--output LO:HI``, greedy, EOS ignored (every request produces exactly its
+output length). Rows:
+
+* the config (``--config`` / ``--set``), and each ``--variant NAME:KEY=VALUE[,KEY=VALUE]``
+  on top of it (e.g. ``bf16:weight_dtype=bfloat16,kv_cache_dtype=bfloat16``);
+* ``--static``: the config in static batching: ``max_num_seqs`` requests are submitted
+  and no other joins until all of them have finished (done here, by submitting in
+  batches, so the scheduler carries no benchmark-only mode);
+* ``--hf-batch B[,B...]``: transformers ``generate`` in float32, padded batches of B
+  (needs torch and transformers, the test extra).
+
+Per engine row: steps, compiles after warm-up, time per step split into device and host
+(schedule, pack, update), and a digest of every output token id: two runs with the same
+digest produced the same greedy outputs (e.g. the same run on two commits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import time
+
+from jaxserve.bench import add_engine_options, engine_config, footer, parse_variant
+
+
+def _span(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_options(p)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt", default="100:300", help="prompt length range LO:HI")
+    p.add_argument("--output", default="16:128", help="output length range LO:HI")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]")
+    p.add_argument("--static", action="store_true", help="add the config in static batching")
+    p.add_argument("--hf-batch", default=None, help="comma-separated transformers batch sizes, each a row")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int, seed: int):
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*output)) for _ in range(n)]
+
+
+def run_engine(cfg, work, static: bool, quiet: bool) -> tuple[float, str]:
+    """Runs the workload on a fresh engine; returns (seconds, profile line)."""
+    from jaxserve import LLM, SamplingParams
+
+    llm = LLM(config=cfg, progress=not quiet)
+    llm.runner.warmup(progress=False)
+    compiles = llm.stats()["num_compiles"]
+    llm.runner.timings = dict.fromkeys(llm.runner.timings, 0.0)  # the workload only
+    batch = cfg.max_num_seqs if static else len(work)
+    outputs = []
+    t0 = time.perf_counter()
+    for i in range(0, len(work), batch):
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work[i : i + batch]]
+        reqs = [llm.engine.add_request(ids, p) for (ids, _), p in zip(work[i : i + batch], params, strict=True)]
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        outputs += [r.output_token_ids for r in reqs]
+    elapsed = time.perf_counter() - t0
+    if [len(o) for o in outputs] != [m for _, m in work]:
+        raise RuntimeError("a request did not produce its output length")
+    stats, eng, run = llm.stats(), llm.engine.timings, llm.runner.timings
+    steps = stats["steps"]
+    host = eng["step_s"] - run["device_s"]
+    digest = hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:12]
+    profile = (
+        f"{steps} steps, compiles after warm-up {stats['num_compiles'] - compiles}, outputs {digest}; per step "
+        f"{1e3 * eng['step_s'] / steps:.1f} ms: device {1e3 * run['device_s'] / steps:.1f}, host "
+        f"{1e3 * host / steps:.2f} (schedule {1e3 * eng['schedule_s'] / steps:.2f}, pack "
+        f"{1e3 * run['pack_s'] / steps:.2f}, update {1e3 * eng['update_s'] / steps:.2f}); "
+        f"step inputs {llm.runner.input_bytes / steps / 1e3:.1f} kB"
+    )
+    return elapsed, profile
+
+
+def run_hf(model_path, work, batch: int) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if model_path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    model.eval()
+    t0 = time.perf_counter()
+    for i in range(0, len(work), batch):
+        chunk = work[i : i + batch]
+        width = max(len(ids) for ids, _ in chunk)
+        input_ids = torch.tensor([[2] * (width - len(ids)) + ids for ids, _ in chunk])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in chunk])
+        with torch.no_grad():
+            model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=max(m for _, m in chunk),
+                do_sample=False,
+                pad_token_id=2,
+                eos_token_id=None,
+            )
+    return time.perf_counter() - t0
+
+
+def main(args: argparse.Namespace) -> int:
+    from jaxserve.models.checkpoint import open_checkpoint
+    from jaxserve.models.fetch import resolve_model
+
+    base = engine_config(args)
+    rows = [("config", base, False)]
+    for v in args.variant:
+        name, sets = parse_variant(v)
+        rows.append((name, engine_config(args, *sets), False))
+    if args.static:
+        rows.append(("static batching", base, True))
+    model_path = resolve_model(base.model, base.cache_dir)
+    vocab = open_checkpoint(model_path).config.vocab_size
+    work = workload(args.requests, _span(args.prompt), _span(args.output), vocab, args.seed)
+    prompt_tokens, output_tokens = sum(len(ids) for ids, _ in work), sum(m for _, m in work)
+    print(f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens, model {base.model}")
+    seconds = {}
+    for name, cfg, static in rows:
+        seconds[name], profile = run_engine(cfg, work, static, args.quiet)
+        print(f"  {name}: {profile}", flush=True)
+    for batch in [int(b) for b in args.hf_batch.split(",")] if args.hf_batch else []:
+        seconds[f"transformers float32, batch {batch}"] = run_hf(model_path, work, batch)
+    first = seconds["config"]
+    print(f"{'row':40s} {'seconds':>8s} {'output tok/s':>13s} {'total tok/s':>12s} {'speed':>10s}")
+    for name, sec in seconds.items():
+        total = (prompt_tokens + output_tokens) / sec
+        print(f"{name:40s} {sec:8.1f} {output_tokens / sec:13.1f} {total:12.1f} {first / sec:9.2f}x")
+    footer(args)
+    return 0

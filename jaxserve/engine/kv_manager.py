@@ -1,0 +1,170 @@
+"""The one door to KV pages: the page pool and the prefix cache behind four calls.
+
+Only this module (with the pool and the radix index under it) touches pages, refcounts
+and a request's ``pages`` / ``num_computed_tokens`` / ``cache_node``. The scheduler
+decides who runs and how many tokens; for pages it asks:
+
+* ``admit(request, budget)``, all or nothing: a request with nothing computed gets its
+  longest cached prefix (all but its last token, whose logits are needed), shares the
+  pages the match covers fully, and gets a copy of the page the match ends in
+  (copy-on-write), so reuse reaches the exact divergence token; then pages for a first
+  chunk. ``prefix_match="page"`` rounds the match down to a page boundary instead (the
+  block-hash behaviour of other engines, for comparison). If the chunk's pages cannot be
+  found, nothing of this happened.
+* ``grow(request, n)``: pages for ``n`` more tokens, evicting least recently used
+  unreferenced prefixes when the pool is short.
+* ``commit(request, n)``: ``n`` more tokens were computed; prefill chunks go to the
+  prefix cache at once, so later requests (and the next turn of a chat) reuse them, and
+  the request's lock on the radix tree moves to the deepest node.
+* ``free(request, keep_cached)``: the pages go back (cached nodes keep their own
+  references); its computed tokens are cached first when ``keep_cached``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from jaxserve.engine.page_pool import PagePool
+from jaxserve.engine.radix_index import RadixIndex
+from jaxserve.engine.request import Request
+
+PREFIX_MATCH_MODES = ("token", "page")
+
+PageCopy = tuple[int, int]  # (src, dst), run on the device before the step
+
+
+class KVManager:
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = True, prefix_match: str = "token"):
+        if prefix_match not in PREFIX_MATCH_MODES:
+            raise ValueError(f"prefix_match {prefix_match!r} is not one of: {', '.join(PREFIX_MATCH_MODES)}")
+        self.pool = PagePool(num_pages, page_size)
+        self.page_size = page_size
+        self.index = RadixIndex(self.pool) if prefix_caching else None
+        self.prefix_match = prefix_match
+        self.hit_tokens = 0  # prompt tokens admissions took from the cache
+        self.queried_tokens = 0  # tokens of the admitted requests
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.index is not None
+
+    def cached_length(self, request: Request) -> int:
+        """How many of the request's tokens are cached (no side effect but an LRU touch)."""
+        if self.index is None:
+            return 0
+        return self._round(self.index.match(request.token_ids[:-1])[0])
+
+    def _round(self, matched: int) -> int:
+        return matched - matched % self.page_size if self.prefix_match == "page" else matched
+
+    # -- the four calls ----------------------------------------------------------------
+    def admit(self, request: Request, budget: int) -> tuple[int, PageCopy | None] | None:
+        """The cached prefix and pages for a first chunk of at most ``budget`` tokens.
+        Returns (chunk size, page copy or None), or None with nothing changed."""
+        assert not request.pages and request.num_computed_tokens == 0, "admit of a request holding pages"
+        copy = self._attach(request) if self.index is not None else None
+        n = min(request.num_tokens_to_compute, budget)
+        if not self.grow(request, n):
+            self.free(request, keep_cached=False)
+            return None
+        request.num_cached_tokens = request.num_computed_tokens
+        self.hit_tokens += request.num_cached_tokens
+        self.queried_tokens += request.num_tokens
+        return n, copy
+
+    def _attach(self, request: Request) -> PageCopy | None:
+        matched, pages, node = self.index.match(request.token_ids[:-1])
+        matched = self._round(matched)
+        full = matched // self.page_size
+        self.index.lock(node)  # before any eviction below: the match must survive it
+        request.cache_node = node
+        request.pages = list(pages[:full])
+        self.pool.retain(request.pages)
+        copy = None
+        if matched % self.page_size:
+            if self.pool.num_free == 0:
+                self.index.evict(1)
+            if self.pool.num_free == 0:
+                matched = full * self.page_size  # no page for the copy: reuse whole pages only
+            else:
+                dst = self.pool.allocate(1)[0]
+                copy = (pages[full], dst)
+                request.pages.append(dst)
+        request.num_computed_tokens = matched
+        return copy
+
+    def grow(self, request: Request, num_new_tokens: int) -> bool:
+        """Makes the request's pages cover ``num_computed + num_new_tokens`` tokens."""
+        need = self.pool.pages_needed(request.num_computed_tokens + num_new_tokens) - len(request.pages)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free and self.index is not None:
+            self.index.evict(need)
+        if need > self.pool.num_free:
+            return False
+        request.pages += self.pool.allocate(need)
+        return True
+
+    def commit(self, request: Request, num_tokens: int) -> None:
+        """Records ``num_tokens`` more computed tokens. A prefill chunk is cached now; a
+        lone decode token is not (a tree walk per token for little gain: ``free`` caches
+        the whole sequence at the end)."""
+        request.num_computed_tokens += num_tokens
+        if num_tokens > 1 or request.num_tokens_to_compute > 0:
+            self._publish(request)
+
+    def free(self, request: Request, keep_cached: bool) -> None:
+        """Releases the request's pages, caching its computed tokens first if asked."""
+        if self.index is not None:
+            if keep_cached:
+                self._publish(request)
+            if request.cache_node is not None:
+                self.index.unlock(request.cache_node)
+                request.cache_node = None
+        self.pool.release(request.pages)
+        request.pages = []
+        request.num_computed_tokens = 0
+
+    def _publish(self, request: Request) -> None:
+        n = request.num_computed_tokens
+        if self.index is None or n == 0:
+            return
+        leaf = self.index.insert(request.token_ids[:n], request.pages)
+        self.index.lock(leaf)
+        if request.cache_node is not None:
+            self.index.unlock(request.cache_node)
+        request.cache_node = leaf
+
+    # -- the whole cache -----------------------------------------------------------------
+    def clear_cache(self) -> None:
+        """Drops every cached prefix no request holds (e.g. after the device KV cache was
+        lost: their pages hold nothing valid)."""
+        if self.index is not None:
+            self.index.evict(self.pool.num_pages)
+
+    def usage(self, holders: Iterable[Request]) -> dict[str, int]:
+        held = len({p for r in holders for p in r.pages})
+        return {
+            "prefix_cache_hit_tokens": self.hit_tokens,
+            "prefix_cache_queried_tokens": self.queried_tokens,
+            "pages_held_by_requests": held,
+            "pages_cached_only": self.pool.num_in_use - held,
+            "pages_total": self.pool.num_usable,
+            "pages_free": self.pool.num_free,
+        }
+
+    def check_integrity(self, holders: Iterable[Request]) -> None:
+        """Pool, tree and requests agree: every page reference is accounted for."""
+        self.pool.check_integrity()
+        refs: dict[int, int] = {}
+        if self.index is not None:
+            self.index.check_integrity()
+            refs = self.index.page_refs()
+        for r in holders:
+            assert r.num_computed_tokens <= len(r.pages) * self.page_size, f"{r.request_id}: computed beyond its pages"
+            for p in r.pages:
+                refs[p] = refs.get(p, 0) + 1
+        for p in range(1, self.pool.num_pages):
+            assert self.pool.refcounts[p] == refs.get(p, 0), (
+                f"page {p}: refcount {self.pool.refcounts[p]} != {refs.get(p, 0)} users"
+            )

@@ -1,0 +1,79 @@
+"""The output stage: what a request's new token means to the user.
+
+After the scheduler has appended a step's tokens, this stage records logprobs and turns
+the token into text, incrementally and UTF-8-safe. Stop strings are matched across token
+boundaries: text that could still become a stop string is held back until it cannot. A
+match is reported back to the scheduler (``Scheduler.stop``), which owns every status.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.scheduler import Sampled, Scheduler
+
+if TYPE_CHECKING:  # numpy arrays here; the stage itself stays free of JAX
+    from jaxserve.runner.sampler import SamplerOutput
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    for n in range(min(len(text), max(map(len, stops)) - 1), 0, -1):
+        if any(s.startswith(text[-n:]) for s in stops):
+            return n
+    return 0
+
+
+class _TextState:
+    """Per-request detokenizer plus the text held back for stop-string matching."""
+
+    def __init__(self, tokenizer, request: Request):
+        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.params.skip_special_tokens)
+        self.held = ""
+
+
+class OutputStage:
+    def __init__(self, tokenizer, scheduler: Scheduler):
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self._text: dict[str, _TextState] = {}
+
+    def add(self, request: Request) -> None:
+        self._text[request.request_id] = _TextState(self.tokenizer, request)
+
+    def drop(self, request_id: str) -> None:
+        self._text.pop(request_id, None)
+
+    def apply(self, got: list[Sampled], result: SamplerOutput) -> None:
+        """Logprobs and text of each token ``Scheduler.update`` handed out this step."""
+        logprobs = result.logprobs.tolist()
+        for s in got:
+            request = s.request
+            request.output_logprobs.append(logprobs[s.row])
+            if n := request.params.logprobs:
+                request.output_top_logprobs.append(
+                    list(zip(result.top_ids[s.row, :n].tolist(), result.top_logprobs[s.row, :n].tolist(), strict=True))
+                )
+            self._text_of(request, s.token)
+            if request.status.is_finished:
+                self.drop(request.request_id)
+
+    def _text_of(self, request: Request, token: int) -> None:
+        state = self._text[request.request_id]
+        params = request.params
+        is_stop_token = request.status is RequestStatus.FINISHED_STOPPED and request.stop_reason == token
+        buf = state.held + ("" if is_stop_token else state.detok.add(token))
+        state.held = ""
+        if params.stop:
+            hits = [(buf.find(s), s) for s in params.stop if s in buf]
+            if hits:
+                at, stop = min(hits)
+                request.output_text += buf[: at + len(stop)] if params.include_stop_str_in_output else buf[:at]
+                self.scheduler.stop(request, stop)
+                return
+            if not request.status.is_finished:
+                keep = held_back(buf, params.stop)
+                buf, state.held = buf[: len(buf) - keep], buf[len(buf) - keep :]
+        request.output_text += buf

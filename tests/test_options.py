@@ -1,0 +1,73 @@
+"""Options are declared once: the docs table, the YAML / --set reader and the wire's
+sampling fields all follow the declarations."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxserve.config import EngineConfig, option, options_table
+from jaxserve.errors import ConfigError
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.config import ServerConfig, load_run_config
+from jaxserve.server.proto import jaxserve_pb2 as pb
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_docs_configuration_is_generated_from_the_declarations():
+    out = subprocess.run([sys.executable, "-m", "jaxserve.config"], capture_output=True, text=True, check=True)
+    assert (ROOT / "docs" / "configuration.md").read_text() == out.stdout, (
+        "docs/configuration.md is stale: python -m jaxserve.config > docs/configuration.md"
+    )
+
+
+def test_every_option_has_a_doc_and_is_in_the_table():
+    for cls, prefix in ((EngineConfig, ""), (ServerConfig, "server.")):
+        table = options_table(cls, prefix)
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("doc"), f"{prefix}{f.name} has no doc"
+            assert f"| `{prefix}{f.name}` |" in table
+
+
+def test_a_declared_rule_is_enforced_by_every_reader(tmp_path):
+    """The rule on lpm_aging_steps (>= 1) holds through the YAML file, --set and the offline
+    API alike, with the same message."""
+    message = "lpm_aging_steps = 0: must be an integer >= 1"
+    path = tmp_path / "c.yaml"
+    path.write_text("lpm_aging_steps: 0\n")
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(str(path))
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(None, ["lpm_aging_steps=0"])
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_options(lpm_aging_steps=0)
+    assert load_run_config(None, ["lpm_aging_steps=5"])[0].lpm_aging_steps == 5
+
+
+def test_a_new_option_is_one_declaration():
+    """A config class made of option() fields gets type checks, rule checks and a docs row
+    with no other code."""
+    from jaxserve.config import at_least, check_types
+
+    @dataclasses.dataclass(frozen=True)
+    class Demo:
+        width: int = option(4, "How wide.", at_least(2))
+
+        def __post_init__(self):
+            check_types(self)
+
+    assert "| `width` | int | `4` | an integer >= 2 | How wide. |" in options_table(Demo)
+    with pytest.raises(ConfigError, match="width = 1: must be an integer >= 2"):
+        Demo(1)
+    with pytest.raises(ConfigError, match="width = 'x': must be an integer"):
+        Demo("x")
+
+
+def test_the_wire_carries_exactly_the_sampling_params_fields():
+    wire = set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+    assert wire == {f.name for f in dataclasses.fields(SamplingParams)}
