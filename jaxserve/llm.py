@@ -119,6 +119,19 @@ class LLM:
                 self._end(requests)
         return [_output(r) for r in requests]
 
+    def chat(
+        self, conversations: ChatMessages | Sequence[ChatMessages], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Replies to one conversation (a list of ``{"role", "content"}`` messages) or to each
+        of several, through the model's chat template; outputs in order."""
+        if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        conversations = list(conversations)
+        for i, c in enumerate(conversations):
+            if not (isinstance(c, list) and c and all(isinstance(m, dict) for m in c)):
+                raise RequestError(f"conversations[{i}] must be a non-empty list of {{role, content}} messages")
+        return self.generate(conversations, sampling_params)
+
     def _end(self, requests: list[Request]) -> None:
         """Aborts what is unfinished (no-op for finished requests; frees pages on error) and,
         if a failed step took the donated KV cache, makes a fresh one for the next call."""

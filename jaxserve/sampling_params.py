@@ -112,9 +112,5 @@ class SamplingParams:
                 raise RequestError(f"sampling_params.{field} = {_shown(getattr(self, field))}: must be {allowed}")
 
     @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0

@@ -180,9 +180,16 @@ def test_bad_prompts(tiny_model_dir):
         llm.generate([[1] * 80])
     with pytest.raises(RequestError, match=r"messages\[0\] must have string 'role' and 'content'"):
         llm.generate([[{"role": "user"}]])
+    with pytest.raises(RequestError, match=r"conversations\[1\] must be a non-empty list of \{role, content\}"):
+        llm.chat([[{"role": "user", "content": "hi"}], "hi"])
     assert llm.kv.pool.num_in_use == 0
-    out = llm.generate("The capital", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    out = llm.generate("The capital", greedy)
     assert len(out[0].token_ids) == 3  # still serving after the errors
+    talk = [{"role": "user", "content": "The capital"}]
+    one = llm.chat(talk, greedy)[0].token_ids
+    assert one == llm.generate([talk], greedy)[0].token_ids  # the chat template, as generate applies it
+    assert [o.token_ids for o in llm.chat([talk, talk], greedy)] == [one, one]
 
 
 @pytest.mark.parametrize(

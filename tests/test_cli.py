@@ -102,7 +102,10 @@ TINY_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parent.parent /
         ("server.port=true", "server.port = True: must be an integer"),
         ("server.drain_grace_seconds=soon", "server.drain_grace_seconds = 'soon': must be a number"),
         ("server.tls_cert_file=/no/such.pem", "server.tls_cert_file and server.tls_key_file: give both"),
-        ("server.auth_tokens_file=/no/such", "server.auth_tokens_file = '/no/such': must be the path of a readable file"),
+        (
+            "server.auth_tokens_file=/no/such",
+            "server.auth_tokens_file = '/no/such': must be the path of a readable file",
+        ),
     ],
 )
 def test_a_bad_config_value_is_one_line_naming_it(setting, message, capsys):

@@ -64,10 +64,6 @@ class ModelConfig:
         if len(self.sliding_windows) != self.num_layers:
             raise ModelLoadError("one sliding window entry per layer is required")
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters`; older files have `rope_theta` and

@@ -39,7 +39,7 @@ def _from_wire(msg: pb.SamplingParams) -> dict:
     kwargs = {}
     for name in (f.name for f in dataclasses.fields(SamplingParams)):
         field = _WIRE[name]
-        if field.label == field.LABEL_REPEATED:
+        if field.is_repeated:
             kwargs[name] = tuple(getattr(msg, name))
         elif msg.HasField(name):
             value = getattr(msg, name)
