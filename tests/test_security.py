@@ -226,7 +226,9 @@ def test_one_clients_long_streams_do_not_starve_another(secured):
         streams = [alice.stream([5, 6, 7, i], max_tokens=900, **GREEDY) for i in range(6)]
         for s in streams:
             threading.Thread(target=_drain, args=(s,), daemon=True).start()
+        deadline = time.monotonic() + 120  # a failing server must fail the test, not hang it
         while len(thread.engine.scheduler.running) < 4:
+            assert time.monotonic() < deadline, "alice's streams never filled the slots"
             time.sleep(0.01)
         reply = bob.generate([9, 10, 11], max_tokens=4, **GREEDY)
         assert len(reply.token_ids) == 4
