@@ -84,7 +84,10 @@ def cpu_model() -> str:
                     info[key.strip()] = value.strip()
     except OSError:
         info = {"model name": platform.processor() or platform.machine()}
-    return ", ".join(f"{k} {v}" for k, v in info.items()) + f"; {os.cpu_count()} cores"
+    family = (
+        f" (family {info['cpu family']}, model {info['model']})" if "cpu family" in info and "model" in info else ""
+    )
+    return f"{info.get('model name', 'unknown')}{family}; {os.cpu_count()} cores"
 
 
 def footer(args: argparse.Namespace) -> None:

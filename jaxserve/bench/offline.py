@@ -87,6 +87,9 @@ def run_engine(cfg, work, static: bool, quiet: bool) -> tuple[float, str]:
 def run_hf(model_path, work, batch: int) -> float:
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the table is the output
 
     if model_path.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(
