@@ -247,10 +247,10 @@ class StepCompiler:
 
     def compile_sample(self, seqs: int, penalties: bool = False) -> Compiled:
         """The sampler for sequence bucket ``seqs`` (the penalised variant if asked)."""
-        _, *sampling = self._inputs(seqs, seqs, penalties)
+        _, smd, pmd = self._inputs(seqs, seqs, penalties)
         logits = jax.ShapeDtypeStruct((seqs, self.vocab_size), np.float32, sharding=self.replicated)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-            return Compiled.of(self._sample, logits, *(x for x in sampling if x is not None))
+            return Compiled.of(self._sample, logits, smd, pmd)
 
     @property
     def kv_cache_bytes(self) -> int:

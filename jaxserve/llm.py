@@ -124,9 +124,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Replies to one conversation (a list of ``{"role", "content"}`` messages) or to each
         of several, through the model's chat template; outputs in order."""
-        if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        conversations = list(conversations)
+        conversations = self._as_list(conversations)
         for i, c in enumerate(conversations):
             if not (isinstance(c, list) and c and all(isinstance(m, dict) for m in c)):
                 raise RequestError(f"conversations[{i}] must be a non-empty list of {{role, content}} messages")

@@ -15,7 +15,6 @@ Clients are told apart by bearer tokens (a tokens file made here).
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import string
 import tempfile
@@ -23,21 +22,10 @@ import threading
 import time
 from pathlib import Path
 
+from jaxserve.bench import cpu_model
 from jaxserve.client import Client, Credentials, wait_until_serving
 
 ALICE, BOB = "alice-0123456789abcdef", "bob-0123456789abcdef00"
-
-
-def cpu_model() -> str:
-    """/proc/cpuinfo's model name, with family and model (some VMs say only "AMD EPYC")."""
-    info = {}
-    try:
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    except OSError:
-        return platform.processor() or "unknown"
-    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"
 
 
 def _drain(stream) -> None:

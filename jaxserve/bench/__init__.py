@@ -62,6 +62,12 @@ def engine_config(args: argparse.Namespace, *sets: str) -> EngineConfig:
     return cfg
 
 
+def span(text: str) -> tuple[int, int]:
+    """``LO:HI`` (or ``N``) -> (lo, hi): a length range of a workload."""
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
 def parse_variant(text: str) -> tuple[str, list[str]]:
     """``NAME:KEY=VALUE[,KEY=VALUE...]`` -> (name, ["KEY=VALUE", ...])."""
     from jaxserve.errors import ConfigError

@@ -26,12 +26,7 @@ import json
 import random
 import time
 
-from jaxserve.bench import add_engine_options, engine_config, footer, parse_variant
-
-
-def _span(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
+from jaxserve.bench import add_engine_options, engine_config, footer, parse_variant, span
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -129,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
         rows.append(("static batching", base, True))
     model_path = resolve_model(base.model, base.cache_dir)
     vocab = open_checkpoint(model_path).config.vocab_size
-    work = workload(args.requests, _span(args.prompt), _span(args.output), vocab, args.seed)
+    work = workload(args.requests, span(args.prompt), span(args.output), vocab, args.seed)
     prompt_tokens, output_tokens = sum(len(ids) for ids, _ in work), sum(m for _, m in work)
     print(f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens, model {base.model}")
     seconds = {}

@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.bench import footer
+from jaxserve.bench import footer, span
 from jaxserve.client import build_request
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
 
@@ -43,11 +43,6 @@ class Result:
     e2e: float = 0.0
     error: str | None = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
-
-
-def _span(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
 
 
 async def _one(stub, ids: list[int], max_tokens: int, tag: str, timeout: float) -> Result:
@@ -111,8 +106,8 @@ def summarize(results: list[Result], seconds: float, tag: str | None = None) -> 
 async def run_bench(args) -> dict:
     rng = random.Random(args.seed)
     vocab = args.vocab
-    in_lo, in_hi = _span(args.input_len)
-    out_lo, out_hi = _span(args.output_len)
+    in_lo, in_hi = span(args.input_len)
+    out_lo, out_hi = span(args.output_len)
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(3, vocab) for _ in range(n)]

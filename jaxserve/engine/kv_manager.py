@@ -50,12 +50,15 @@ class KVManager:
 
     def cached_length(self, request: Request) -> int:
         """How many of the request's tokens are cached (no side effect but an LRU touch)."""
-        if self.index is None:
-            return 0
-        return self._round(self.index.match(request.token_ids[:-1])[0])
+        return 0 if self.index is None else self._match(request)[0]
 
-    def _round(self, matched: int) -> int:
-        return matched - matched % self.page_size if self.prefix_match == "page" else matched
+    def _match(self, request: Request) -> tuple[int, list[int], object]:
+        """(tokens, pages, node) of the longest cached prefix of all but the request's last
+        token (its logits are needed), rounded down to a page in ``page`` mode."""
+        matched, pages, node = self.index.match(request.token_ids[:-1])
+        if self.prefix_match == "page":
+            matched -= matched % self.page_size
+        return matched, pages, node
 
     # -- the four calls ----------------------------------------------------------------
     def admit(self, request: Request, budget: int) -> tuple[int, PageCopy | None] | None:
@@ -73,8 +76,7 @@ class KVManager:
         return n, copy
 
     def _attach(self, request: Request) -> PageCopy | None:
-        matched, pages, node = self.index.match(request.token_ids[:-1])
-        matched = self._round(matched)
+        matched, pages, node = self._match(request)
         full = matched // self.page_size
         self.index.lock(node)  # before any eviction below: the match must survive it
         request.cache_node = node

@@ -91,7 +91,9 @@ def attention_metadata(b: PackedBatch) -> AttentionMetadata:
 
 def _per_seq(sampling: list[SeqSampling], s_pad: int, defaults: dict[str, float]) -> dict[str, np.ndarray]:
     """SamplingParams fields as [s_pad] arrays; padding rows get the no-op value."""
-    arrays = {name: np.full(s_pad, off, np.int32 if name == "top_k" else np.float32) for name, off in defaults.items()}
+    arrays = {
+        name: np.full(s_pad, off, np.int32 if isinstance(off, int) else np.float32) for name, off in defaults.items()
+    }
     for i, x in enumerate(sampling):
         for name, arr in arrays.items():
             arr[i] = getattr(x.params, name)
@@ -254,7 +256,7 @@ class ModelRunner:
 
     def _step(self, md: AttentionMetadata, smd: SamplingMetadata, pmd: PenaltyMetadata | None) -> SamplerOutput:
         self.kv_cache, logits = self._forward(self.state, self.kv_cache, md)
-        return self._sample(logits, smd) if pmd is None else self._sample(logits, smd, pmd)
+        return self._sample(logits, smd, pmd)  # pmd None: the variant without penalties
 
     def follow(self) -> None:
         """Followers (process > 0): replay the leader's steps and page copies until it stops."""

@@ -28,6 +28,7 @@ def valid_host(host: str) -> bool:
 
 
 _READABLE = Rule(lambda path: Path(path).is_file(), "the path of a readable file")
+_PORT = Rule(lambda v: 0 <= v < 65536, "an integer in [0, 65535]")
 
 
 def grpc_address(host: str, port: int) -> str:
@@ -41,14 +42,8 @@ class ServerConfig:
         "gRPC and metrics listen here only (loopback by default).",
         Rule(valid_host, "an IP address or a host name, without a port (e.g. 127.0.0.1, ::1)"),
     )
-    port: int = option(
-        50051, "gRPC port (0: any free port).", Rule(lambda v: 0 <= v < 65536, "an integer in [0, 65535]")
-    )
-    metrics_port: int | None = option(
-        9090,
-        "Prometheus text format over HTTP (null: off).",
-        Rule(lambda v: 0 <= v < 65536, "an integer in [0, 65535]"),
-    )
+    port: int = option(50051, "gRPC port (0: any free port).", _PORT)
+    metrics_port: int | None = option(9090, "Prometheus text format over HTTP (null: off).", _PORT)
     max_waiting_requests: int = option(256, "Beyond this, new requests get RESOURCE_EXHAUSTED.", at_least(1))
     drain_grace_seconds: float = option(
         30.0, "On SIGTERM, in-flight requests may finish for this long.", at_least(0, "a number")
