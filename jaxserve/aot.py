@@ -36,65 +36,29 @@ from jaxserve.plan import EnginePlan, resolve_plan
 from jaxserve.runner.model_runner import bucket_seqs, greedy, make_forward, step_inputs
 from jaxserve.runner.sampler import sample
 
-# Architectures by name (Hugging Face config.json fields), for sizing without a download.
-PRESETS: dict[str, dict] = {
-    "llama3-8b": {
-        "model_type": "llama",
-        "vocab_size": 128256,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 8192,
-        "tie_word_embeddings": False,
-    },
-    "llama2-7b": {
-        "model_type": "llama",
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-    },
-    "smollm2-135m": {
-        "model_type": "llama",
-        "vocab_size": 49152,
-        "hidden_size": 576,
-        "intermediate_size": 1536,
-        "num_hidden_layers": 30,
-        "num_attention_heads": 9,
-        "num_key_value_heads": 3,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 100000.0,
-        "max_position_embeddings": 8192,
-        "tie_word_embeddings": True,
-    },
+# Architectures by name, for sizing without a download: Llama-family config.json fields.
+_PRESET_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "rope_theta", "max_position_embeddings", "tie_word_embeddings",
+)  # fmt: skip
+_PRESET_SHAPES = {
+    "llama3-8b": (128256, 4096, 14336, 32, 32, 8, 500000.0, 8192, False),
+    "llama2-7b": (32000, 4096, 11008, 32, 32, 32, 10000.0, 4096, False),
+    "smollm2-135m": (49152, 576, 1536, 30, 9, 3, 100000.0, 8192, True),
 }
+PRESETS: dict[str, dict] = {
+    name: {"model_type": "llama", "rms_norm_eps": 1e-5, **dict(zip(_PRESET_FIELDS, shape, strict=True))}
+    for name, shape in _PRESET_SHAPES.items()
+}
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 PRESETS["llama3.1-8b"] = {
     **PRESETS["llama3-8b"],
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
+    "rope_scaling": {**_LLAMA3_ROPE, "original_max_position_embeddings": 8192},
     "max_position_embeddings": 131072,
 }
 
 # Peak dense bfloat16 FLOP/s, HBM bytes/s and HBM bytes per GPU (vendor datasheets, SXM).
-GPU_CHIPS = {
-    "h100": (989e12, 3.35e12, 80 * 10**9),
-    "h200": (989e12, 4.8e12, 141 * 10**9),
-}
+GPU_CHIPS = {"h100": (989e12, 3.35e12, 80 * 10**9), "h200": (989e12, 4.8e12, 141 * 10**9)}
 TPU_CHIPS = {"TPU v5 lite": "TPU_V5E", "TPU v5e": "TPU_V5E", "TPU v6 lite": "TPU_V6E", "TPU v5": "TPU_V5P"}
 
 

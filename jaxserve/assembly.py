@@ -46,8 +46,9 @@ class EngineHandle:
     def max_model_len(self) -> int:
         return self.plan.max_model_len
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a text, token-id list or chat message list (template applied)."""
+    def encode(self, prompt: Prompt, field: str = "prompt") -> list[int]:
+        """Token ids of a text, token-id list or chat message list (template applied),
+        shorter than max_model_len; errors name ``field`` (the wire calls it token_ids.ids)."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -59,17 +60,19 @@ class EngineHandle:
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"prompt token id {bad[0]} is out of range; allowed: 0..{vocab - 1}")
+            for i, t in enumerate(ids):
+                if not 0 <= t < vocab:
+                    raise RequestError(f"{field}[{i}] = {t}: out of range; allowed 0..{vocab - 1}")
         else:
             raise RequestError("a prompt must be a string, a list of token ids, or a list of chat messages")
         if not ids:
-            raise RequestError("the prompt is empty")
+            raise RequestError(f"{field}: the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt: {len(ids)} tokens; must be shorter than max_model_len ({self.max_model_len})")
         return ids
 
 
-def assemble(cfg: EngineConfig, progress: bool = True, keep_step_records: bool = False) -> EngineHandle:
+def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
     """Joins the cluster (if any), loads the model and builds the engine."""
     distributed = DistributedConfig.from_option(cfg.distributed)
     if distributed is not None:  # before anything else touches JAX
@@ -90,5 +93,5 @@ def assemble(cfg: EngineConfig, progress: bool = True, keep_step_records: bool =
         schedule_policy=cfg.schedule_policy,
         lpm_aging_steps=cfg.lpm_aging_steps,
     )
-    engine = Engine(ModelRunner(model, plan.runner), scheduler, tokenizer, eos, keep_step_records=keep_step_records)
+    engine = Engine(ModelRunner(model, plan.runner), scheduler, tokenizer, eos)
     return EngineHandle(cfg, plan, mcfg, tokenizer, engine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -98,19 +99,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         )
     tgt = aot.target(args.topology)
     compiler = aot.StepCompiler(aot.plan_for(engine_cfg, aot.model_config(args.arch), tgt), tgt)
-    buckets = [_bucket(b) for b in args.bucket] if args.bucket else None
-    aot.report(
-        compiler, context=args.context, buckets=buckets, batch=args.batch, out=lambda line: print(line, flush=True)
-    )
+    out = functools.partial(print, flush=True)
+    aot.report(compiler, context=args.context, buckets=args.bucket, batch=args.batch, out=out)
     return 0
-
-
-def _bucket(text: str) -> tuple[int, int]:
-    try:
-        tokens, seqs = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise JaxServeError(f"--bucket {text!r}: expected TOKENS:SEQS, e.g. 512:64") from None
-    return tokens, seqs
 
 
 def _cmd_generate_remote(args: argparse.Namespace) -> int:
@@ -224,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", default=None, help="model architecture: a preset (llama3-8b, ...) or a config.json")
     p.add_argument("--context", type=int, default=1024, help="tokens each sequence attends to, for the roofline")
     p.add_argument("--batch", type=int, default=None, help="sequences in the decode roofline (default max_num_seqs)")
-    p.add_argument("--bucket", action="append", metavar="TOKENS:SEQS", help="compile only these bucket pairs")
+    p.add_argument("--bucket", action="append", type=bench.span, metavar="TOKENS:SEQS", help="compile only these")
     p.set_defaults(func=_cmd_compile)
 
     p = sub.add_parser("run", help="serve a model over gRPC")

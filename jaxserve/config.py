@@ -183,11 +183,16 @@ class EngineConfig:
 
     @classmethod
     def from_options(cls, **options) -> EngineConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - names)
-        if unknown:
-            raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(names))}")
-        return cls(**options)
+        return from_options(cls, options, "engine")
+
+
+def from_options(cls, options: dict[str, Any], what: str):
+    """``cls(**options)``, an unknown key being one ConfigError that lists the allowed ones."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ConfigError(f"unknown {what} option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(names))}")
+    return cls(**options)
 
 
 def read_config_file(path: str | None, overrides: list[str] = ()) -> dict[str, Any]:

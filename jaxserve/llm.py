@@ -35,11 +35,6 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
-def _raise_if_failed(delta) -> None:
-    if delta.error is not None:
-        raise EngineError(delta.error)
-
-
 def _output(r: Request) -> RequestOutput:
     want = r.params.logprobs is not None
     return RequestOutput(
@@ -64,13 +59,12 @@ class LLM:
         *,
         config: EngineConfig | None = None,
         progress: bool = True,
-        keep_step_records: bool = False,
         **engine_options: Any,
     ):
         if config is not None and engine_options:
             raise ConfigError("give either config= or engine options, not both")
         self.config = config or EngineConfig.from_options(model=model, **engine_options)
-        self.handle: EngineHandle = assemble(self.config, progress, keep_step_records)
+        self.handle: EngineHandle = assemble(self.config, progress)
         h = self.handle
         self.engine, self.tokenizer, self.model_config, self.plan = h.engine, h.tokenizer, h.model_config, h.plan
         # The parts, for tests and benchmarks that look inside.
@@ -79,7 +73,8 @@ class LLM:
         self.attention_backend = h.plan.backend
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a text, token-id list or chat message list (template applied)."""
+        """Token ids of a text, token-id list or chat message list (template applied),
+        shorter than max_model_len."""
         return self.handle.encode(prompt)
 
     @staticmethod
@@ -91,10 +86,6 @@ class LLM:
         return list(prompts)
 
     # -- generation ----------------------------------------------------------------
-    def _check_length(self, ids: list[int]) -> None:
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
-
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None
     ) -> list[RequestOutput]:
@@ -105,18 +96,12 @@ class LLM:
         """
         params = sampling_params or SamplingParams()
         encoded = [self.encode(p) for p in self._as_list(prompts)]
-        for ids in encoded:
-            self._check_length(ids)
-        handoff = self.engine.handoff
-        if handoff is not None:
-            return [_output(s.request) for s in self._run_served(handoff, encoded, params)]
+        if self.engine.handoff is not None:
+            return [_output(sub.request) for sub, delta in self._served(encoded, params) if delta.finish_reason]
         with self.engine.owned_by_current_thread("an offline LLM.generate call"):
             requests = [self.engine.add_request(ids, params) for ids in encoded]
-            try:
-                while self.engine.has_unfinished():
-                    self.engine.step()
-            finally:
-                self._end(requests)
+            for _ in self._steps(requests):
+                pass
         return [_output(r) for r in requests]
 
     def chat(
@@ -130,73 +115,60 @@ class LLM:
                 raise RequestError(f"conversations[{i}] must be a non-empty list of {{role, content}} messages")
         return self.generate(conversations, sampling_params)
 
-    def _end(self, requests: list[Request]) -> None:
-        """Aborts what is unfinished (no-op for finished requests; frees pages on error) and,
-        if a failed step took the donated KV cache, makes a fresh one for the next call."""
-        for r in requests:
-            self.engine.abort(r.request_id)
-        if self.engine.runner.kv_cache_lost and not self.engine.has_unfinished():
-            self.engine.recover()
-
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields text deltas of one completion as tokens are generated."""
-        ids = self.encode(prompt)
-        self._check_length(ids)
+        encoded = [self.encode(prompt)]
         params = sampling_params or SamplingParams()
-        handoff = self.engine.handoff
-        if handoff is not None:
-            yield from (d.text for d in self._served_deltas(handoff, ids, params) if d.text)
+        if self.engine.handoff is not None:
+            yield from (delta.text for _, delta in self._served(encoded, params) if delta.text)
             return
         with self.engine.owned_by_current_thread("an offline LLM.stream call"):
-            request = self.engine.add_request(ids, params)
+            request = self.engine.add_request(encoded[0], params)
             sent = 0
-            try:
-                while not request.status.is_finished:
-                    self.engine.step()
-                    if len(request.output_text) > sent:
-                        yield request.output_text[sent:]
-                        sent = len(request.output_text)
-            finally:
-                self._end([request])
+            for _ in self._steps([request]):
+                if len(request.output_text) > sent:
+                    yield request.output_text[sent:]
+                    sent = len(request.output_text)
 
-    # -- through a serving engine thread -------------------------------------------------
-    def _run_served(self, handoff, encoded: list[list[int]], params: SamplingParams) -> list:
-        """Submits every prompt to the engine thread, waits for all; returns the submissions."""
-        subs = [
-            handoff.submit_threadsafe(f"offline-{uuid.uuid4().hex}", ids, params, enforce_limit=False)
-            for ids in encoded
-        ]
+    def _steps(self, requests: list[Request]) -> Iterator[None]:
+        """Steps the engine (this thread owns it) until ``requests`` finish, yielding after
+        each step. Then, or when the caller stops early or a step fails, aborts what is
+        unfinished (freeing its pages) and, if a failed step took the donated KV cache,
+        makes a fresh one for the next call."""
+        try:
+            while not all(r.status.is_finished for r in requests):
+                self.engine.step()
+                yield
+        finally:
+            for r in requests:
+                self.engine.abort(r.request_id)
+            if self.engine.runner.kv_cache_lost and not self.engine.has_unfinished():
+                self.engine.recover()
+
+    def _served(self, encoded: list[list[int]], params: SamplingParams) -> Iterator[tuple[Any, Any]]:
+        """Submits every prompt to the serving engine thread at once; yields (submission,
+        delta) of each in turn, in prompt order. What is unfinished when the caller stops
+        (or a delta reports a failed step) is aborted."""
+        handoff = self.engine.handoff
+        ids = [f"offline-{uuid.uuid4().hex}" for _ in encoded]
+        subs = [handoff.submit_threadsafe(i, p, params, enforce_limit=False) for i, p in zip(ids, encoded, strict=True)]
         done = 0
         try:
             for sub in subs:
-                while (delta := sub.deltas.get()).finish_reason is None:
-                    pass
-                _raise_if_failed(delta)
+                while True:
+                    delta = sub.deltas.get()
+                    if delta.error is not None:
+                        raise EngineError(delta.error)
+                    yield sub, delta
+                    if delta.finish_reason is not None:
+                        break
                 done += 1
         finally:
-            for sub in subs[done:]:  # interrupted or failed: free the rest
-                if sub.request is not None:
-                    handoff.abort(sub.request.request_id)
-        return subs
-
-    def _served_deltas(self, handoff, ids: list[int], params: SamplingParams) -> Iterator:
-        request_id = f"offline-{uuid.uuid4().hex}"
-        sub = handoff.submit_threadsafe(request_id, ids, params, enforce_limit=False)
-        finished = False
-        try:
-            while True:
-                delta = sub.deltas.get()
-                _raise_if_failed(delta)
-                yield delta
-                if delta.finish_reason is not None:
-                    finished = True
-                    return
-        finally:
-            if not finished:
+            for request_id in ids[done:]:  # an abort queued behind its add finds the request
                 handoff.abort(request_id)
 
     def stats(self) -> dict[str, int]:
-        """Counters: steps, prefill_tokens_computed, decode_tokens, num_preemptions, num_compiles, pages_*."""
+        """Counters: steps, prefill_tokens_computed, decode_tokens, num_preemptions, num_compiles, kv_pages_*."""
         return self.engine.stats()
 
     @property

@@ -12,7 +12,6 @@ plan's fields; neither derives them again::
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -156,10 +155,8 @@ def resolve_plan(
             )
         backend = AttentionBackend.resolve("reference", page_size=cfg.page_size, mesh=mesh, platform=platform)
     num_pages = cfg.num_pages
-    if num_pages is None:  # kv_cache_memory_gb is per device
+    if num_pages is None:  # kv_cache_memory_gb is per device (finite and > 0: EngineConfig checks)
         budget = cfg.kv_cache_memory_gb * 2**30
-        if not math.isfinite(budget):
-            raise ConfigError(f"kv_cache_memory_gb = {cfg.kv_cache_memory_gb!r}: must be a finite number > 0")
         per_page = _kv_bytes_per_page(backend, mcfg, cfg.page_size, kv_heads, kv_dtype, mesh_cfg)
         num_pages = max(int(budget // per_page), 2)
     # The context cannot outgrow the pages one sequence could hold (all but the scratch page).

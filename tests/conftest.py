@@ -132,6 +132,20 @@ def smollm2_hf(smollm2_path):
     return model, tok
 
 
+def record_steps(llm) -> list[tuple[tuple[str, int, bool], ...]]:
+    """From now on, each step's (request_id, tokens, is_decode) per scheduled sequence,
+    appended to the returned list as the scheduler hands the step out."""
+    records, schedule = [], llm.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        records.append(tuple((r.request_id, n, r.is_prefill_done) for r, n in out.scheduled))
+        return out
+
+    llm.scheduler.schedule = recording
+    return records
+
+
 def rng_tokens(n: int, vocab: int, seed: int) -> list[int]:
     return np.random.RandomState(seed).randint(0, vocab, size=n).tolist()
 

@@ -113,7 +113,7 @@ def compare(path: str, model_axis: int, vocab: int, extra_checks: bool) -> dict:
         report["batched_equals_alone"] = [r.output_token_ids for r in reqs] == alone
         report["compiles_after_warmup"] = sharded.stats()["num_compiles"] - compiles
         stats = sharded.stats()
-        report["pages_free"], report["pages_total"] = stats["pages_free"], stats["pages_total"]
+        report["kv_pages_free"], report["kv_pages_total"] = stats["kv_pages_free"], stats["kv_pages_total"]
     return report
 
 

@@ -12,6 +12,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.attention import AttentionBackend
 from jaxserve.errors import ConfigError
 from pallas_kernels.ragged_paged_attention import cpu
+from tests.conftest import record_steps
 
 
 def _llm(path, backend: str, **kw) -> LLM:
@@ -25,7 +26,6 @@ def _llm(path, backend: str, **kw) -> LLM:
         min_token_bucket=32,
         enable_prefix_caching=False,
         progress=False,
-        keep_step_records=True,
         attention_backend=backend,
         attention_interpret=backend.startswith("pallas"),
     )
@@ -48,13 +48,14 @@ def test_pallas_backend_in_interpret_mode_matches_reference(work_and_reference, 
     path, prompts, params, expected = work_and_reference
     llm = _llm(path, backend)
     assert llm.attention_backend.name == backend and llm.attention_backend.interpret
+    steps = record_steps(llm)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == expected
     # Some step ran a prefill chunk next to a decode.
-    mixed = [r for r in llm.engine.step_records if {is_decode for _, _, is_decode in r.seqs} == {True, False}]
+    mixed = [seqs for seqs in steps if {is_decode for _, _, is_decode in seqs} == {True, False}]
     assert mixed
     stats = llm.stats()
-    assert stats["pages_free"] == stats["pages_total"]
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
 
 
 def test_cpu_backend_matches_reference(work_and_reference):
@@ -65,7 +66,7 @@ def test_cpu_backend_matches_reference(work_and_reference):
     assert llm.attention_backend.name == "cpu"
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     stats = llm.stats()
-    assert stats["pages_free"] == stats["pages_total"]
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
 
 
 def test_backend_selection():

@@ -174,9 +174,9 @@ def test_bad_prompts(tiny_model_dir):
     llm = LLM(str(path), progress=False, num_pages=16, max_model_len=64)
     with pytest.raises(RequestError, match="prompt is empty"):
         llm.generate([""])
-    with pytest.raises(RequestError, match=r"token id 999 is out of range; allowed: 0..319"):
+    with pytest.raises(RequestError, match=r"prompt\[1\] = 999: out of range; allowed 0..319"):
         llm.generate([[1, 999]])
-    with pytest.raises(RequestError, match="prompt has 80 tokens; max_model_len is 64"):
+    with pytest.raises(RequestError, match="prompt: 80 tokens; must be shorter than max_model_len"):
         llm.generate([[1] * 80])
     with pytest.raises(RequestError, match=r"messages\[0\] must have string 'role' and 'content'"):
         llm.generate([[{"role": "user"}]])

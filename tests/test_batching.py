@@ -7,6 +7,7 @@ import random
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from tests.conftest import record_steps
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -30,7 +31,6 @@ def _make_llm(path, **kw) -> LLM:
         max_num_batched_tokens=64,
         num_pages=800,
         progress=False,
-        keep_step_records=True,
         enable_prefix_caching=False,  # batching alone here; caching has its own tests
     )
     opts.update(kw)
@@ -63,34 +63,34 @@ def _run_all(llm: LLM, work) -> list[list[int]]:
 def test_batch_equivalence(tiny):
     _, llm, work, alone = tiny
     before = llm.stats()
-    llm.engine.step_records.clear()
+    steps = record_steps(llm)
     batched = _run_all(llm, work)
     assert batched == alone
     assert [len(t) for t in batched] == [p.max_tokens for _, p in work]
     after = llm.stats()
     assert after["steps"] - before["steps"] < sum(p.max_tokens for _, p in work)  # really batched
-    assert after["pages_free"] == after["pages_total"]
+    assert after["kv_pages_free"] == after["kv_pages_total"]
     # requests join and leave all along: the running set changes often
-    sets = [frozenset(r for r, _, _ in rec.seqs) for rec in llm.engine.step_records]
+    sets = [frozenset(r for r, _, _ in seqs) for seqs in steps]
     assert sum(a != b for a, b in zip(sets, sets[1:], strict=False)) > 40
 
 
 def test_long_prompt_is_chunked_and_decodes_never_stall(tiny):
     _, llm, _, _ = tiny
-    llm.engine.step_records.clear()
+    steps = record_steps(llm)
     decoders = [llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=40, **GREEDY)) for _ in range(4)]
     for _ in range(3):
         llm.engine.step()
     long = llm.engine.add_request(list(range(1, 301)) * 2, SamplingParams(max_tokens=2, **GREEDY))
     while llm.engine.has_unfinished():
         llm.engine.step()
-    with_long = [rec for rec in llm.engine.step_records if any(r == long.request_id and not d for r, _, d in rec.seqs)]
+    with_long = [seqs for seqs in steps if any(r == long.request_id and not d for r, _, d in seqs)]
     assert len(with_long) >= 10
     # Each of the four decoders (40 tokens, longer than the prefill takes) got exactly one
     # decode token in every step that carried a chunk of the long prompt.
-    for rec in with_long:
-        share = {r: (n, d) for r, n, d in rec.seqs}
-        assert all(share.get(d.request_id) == (1, True) for d in decoders), rec
+    for seqs in with_long:
+        share = {r: (n, d) for r, n, d in seqs}
+        assert all(share.get(d.request_id) == (1, True) for d in decoders), seqs
 
 
 def test_preemption_with_a_small_pool(tiny):
@@ -99,7 +99,7 @@ def test_preemption_with_a_small_pool(tiny):
     stats = small.stats()
     assert stats["num_preemptions"] > 0
     assert outs == alone
-    assert stats["pages_free"] == stats["pages_total"] == 60
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] == 60
 
 
 def test_seeded_sampling_is_batch_independent(tiny):

@@ -118,3 +118,14 @@ def test_bench_latency_and_prefix_cache_report(tiny_model_dir, capsys):
 def test_bench_variant_errors_name_the_format(capsys):
     assert main(["bench", "offline", "--variant", "nothing"]) == 2
     assert "--variant 'nothing': expected NAME:KEY=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv", [["bench", "serve", "--input-len", "abc"], ["compile", "--topology", "v5e:2x2", "--bucket", "x:y"]]
+)
+def test_a_bad_range_is_one_usage_error_naming_the_flag(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    flag = argv[-2]
+    assert f"argument {flag}: invalid span value" in capsys.readouterr().err

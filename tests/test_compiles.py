@@ -72,4 +72,4 @@ def test_no_compile_after_warmup_for_any_request_mix(warm_llm, mix, shared_prefi
         llm.engine.step()
         llm.scheduler.check_integrity()
     assert llm.stats()["num_compiles"] == before
-    assert llm.stats()["pages_held_by_requests"] == 0
+    assert llm.stats()["kv_pages_held"] == 0

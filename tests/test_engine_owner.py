@@ -76,7 +76,7 @@ def test_a_served_llm_steps_only_on_the_engine_thread(llm):
     # Once the server has stopped, the LLM runs offline again on the caller's thread.
     assert [o.token_ids for o in llm.generate(prompts[:2], GREEDY)] == expected[:2]
     llm.scheduler.check_integrity()
-    assert llm.stats()["pages_held_by_requests"] == 0
+    assert llm.stats()["kv_pages_held"] == 0
 
 
 def test_offline_and_grpc_traffic_at_once_give_the_same_tokens(llm):
@@ -102,7 +102,7 @@ def test_offline_and_grpc_traffic_at_once_give_the_same_tokens(llm):
         assert offline == [expected] * 3
         assert remote and sorted(remote) == sorted(expected * 2)
     llm.scheduler.check_integrity()
-    assert llm.stats()["pages_held_by_requests"] == 0
+    assert llm.stats()["kv_pages_held"] == 0
 
 
 def test_a_second_thread_cannot_drive_an_engine_in_use(llm):
@@ -116,7 +116,7 @@ def test_a_second_thread_cannot_drive_an_engine_in_use(llm):
     t, errors = _in_thread(lambda: llm.generate([[1, 2, 3]], GREEDY))
     t.join(timeout=60)
     assert not errors and not t.is_alive()
-    assert llm.stats()["pages_held_by_requests"] == 0
+    assert llm.stats()["kv_pages_held"] == 0
 
 
 def test_a_server_cannot_start_over_an_engine_in_use(llm):
@@ -127,7 +127,7 @@ def test_a_server_cannot_start_over_an_engine_in_use(llm):
         with serve_llm(llm, config):
             pass
     stream.close()
-    assert llm.stats()["pages_held_by_requests"] == 0
+    assert llm.stats()["kv_pages_held"] == 0
 
 
 def test_a_failed_warmup_ends_waiting_offline_calls(tiny_model_dir):
@@ -170,5 +170,5 @@ def test_an_offline_step_that_fails_after_donation_leaves_a_working_engine(llm, 
         llm.generate([prompt], GREEDY)
     monkeypatch.undo()
     assert llm.generate([prompt], GREEDY)[0].token_ids == expected
-    assert llm.stats()["recoveries"] >= 1 and llm.stats()["pages_held_by_requests"] == 0
+    assert llm.stats()["recoveries"] >= 1 and llm.stats()["kv_pages_held"] == 0
     llm.scheduler.check_integrity()

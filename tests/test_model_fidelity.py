@@ -67,7 +67,7 @@ def test_greedy_continuation_matches_transformers(tiny_model_dir, arch):
             )[0, n:].tolist()
         assert out.token_ids == ref, f"prompt length {n}"
         assert out.finish_reason == "length"
-    assert llm.stats()["pages_held_by_requests"] == 0
+    assert llm.stats()["kv_pages_held"] == 0
     llm.scheduler.check_integrity()
 
 

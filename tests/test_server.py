@@ -152,7 +152,7 @@ def _check_cancellation(llm, server, addr) -> None:
     assert max(delays) <= 2, delays
     assert all(r.finish_reason == "abort" and not r.pages for r in requests)
     assert all(len(r.output_token_ids) < 900 for r in requests)
-    assert llm.stats()["pages_held_by_requests"] == 0
+    assert llm.stats()["kv_pages_held"] == 0
     llm.scheduler.check_integrity()
 
 
@@ -300,11 +300,11 @@ def test_deadline_aborts_the_request_and_frees_its_pages(served):
             c.stub.Generate(build_request([9, 9, 9], request_id="deadline-1", max_tokens=900, **GREEDY), timeout=0.3)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     deadline = time.time() + 30
-    while server.engine_thread.num_active or llm.stats()["num_running"]:
+    while server.engine_thread.num_active or llm.stats()["requests_running"]:
         assert time.time() < deadline, "the request kept generating after its deadline"
         time.sleep(0.01)
     assert llm.stats()["decode_tokens"] - before < 900  # stopped early, not run to max_tokens
-    assert llm.stats()["pages_held_by_requests"] == 0
+    assert llm.stats()["kv_pages_held"] == 0
 
 
 def test_a_failed_engine_step_ends_requests_with_internal_and_serving_continues(served, monkeypatch):
@@ -325,7 +325,7 @@ def test_a_failed_engine_step_ends_requests_with_internal_and_serving_continues(
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert "simulated device failure" in err.value.details()
         assert len(c.generate([1, 2, 3], max_tokens=4, **GREEDY, timeout=60).token_ids) == 4
-    assert llm.stats()["pages_held_by_requests"] == 0
+    assert llm.stats()["kv_pages_held"] == 0
 
 
 def test_a_step_that_fails_after_donation_recreates_the_kv_cache(tiny_model_dir, monkeypatch):
@@ -363,7 +363,7 @@ def test_a_step_that_fails_after_donation_recreates_the_kv_cache(tiny_model_dir,
             assert c.generate(prompt, max_tokens=6, **GREEDY, timeout=60).usage.cached_tokens > 0
         assert statuses == [health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING]
         assert llm.stats()["recoveries"] == 1
-        assert llm.stats()["pages_held_by_requests"] == 0
+        assert llm.stats()["kv_pages_held"] == 0
         llm.scheduler.check_integrity()
 
 

@@ -62,7 +62,7 @@ def test_tiny_eight_kv_heads_over_eight_devices():
     _check_sharded(r, model_axis=8, kv_heads=8)
     assert r["batched_equals_alone"]
     assert r["compiles_after_warmup"] == 0
-    assert r["pages_free"] == r["pages_total"]
+    assert r["kv_pages_free"] == r["kv_pages_total"]
 
 
 def test_tiny_two_kv_heads_replicated_over_eight_devices():

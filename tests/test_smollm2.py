@@ -53,7 +53,7 @@ def test_greedy_chat_continuations_match_transformers(llm, smollm2_hf):
         with torch.no_grad():
             ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=2)
         assert out.token_ids == ref[0, len(ids) :].tolist(), prompt
-    assert llm.stats()["pages_held_by_requests"] == 0
+    assert llm.stats()["kv_pages_held"] == 0
 
 
 def test_capital_of_france_is_paris(llm):
@@ -99,7 +99,7 @@ def test_batch_equivalence_on_smollm2(smollm2_path):
         llm.scheduler.check_integrity()
     batched = [r.output_token_ids for r in reqs]
     assert batched == alone
-    assert llm.stats()["pages_free"] == llm.stats()["pages_total"]
+    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
 
 
 def test_prefix_caching_keeps_greedy_outputs_identical(smollm2_path):

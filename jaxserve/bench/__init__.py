@@ -63,7 +63,8 @@ def engine_config(args: argparse.Namespace, *sets: str) -> EngineConfig:
 
 
 def span(text: str) -> tuple[int, int]:
-    """``LO:HI`` (or ``N``) -> (lo, hi): a length range of a workload."""
+    """``LO:HI`` (or ``N``) -> (lo, hi): a length range of a workload, or a TOKENS:SEQS
+    bucket (an argparse ``type``: a bad value is one usage error naming the flag)."""
     lo, _, hi = text.partition(":")
     return int(lo), int(hi or lo)
 

@@ -27,22 +27,14 @@ from jaxserve.errors import ConfigError
 
 PRESETS = {
     "chunking": (
-        [
-            ("budget-64", ["max_num_batched_tokens=64"]),
-            ("budget-128", ["max_num_batched_tokens=128"]),
-            ("budget-256", ["max_num_batched_tokens=256"]),
-            ("no-chunking", ["max_num_batched_tokens=4096"]),
-        ],
+        [(f"budget-{n}", [f"max_num_batched_tokens={n}"]) for n in (64, 128, 256)]
+        + [("no-chunking", ["max_num_batched_tokens=4096"])],
         "--workload long-prompt-interference --steady-streams 4 --steady-output-len 128 --long-prompt-len 1024 "
         "--interval 3 --num-requests 24 --input-len 20:40",
         ["enable_prefix_caching=false"],
     ),
     "prefix-cache": (
-        [
-            ("off", ["enable_prefix_caching=false"]),
-            ("page", ["prefix_match=page"]),
-            ("token", ["prefix_match=token"]),
-        ],
+        [("off", ["enable_prefix_caching=false"]), ("page", ["prefix_match=page"]), ("token", ["prefix_match=token"])],
         "--workload shared-prefix --groups 4 --num-requests 32 --system-len 256 --input-len 10:30 --output-len 16:16",
         [],
     ),

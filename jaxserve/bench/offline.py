@@ -32,8 +32,8 @@ from jaxserve.bench import add_engine_options, engine_config, footer, parse_vari
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_options(p)
     p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--prompt", default="100:300", help="prompt length range LO:HI")
-    p.add_argument("--output", default="16:128", help="output length range LO:HI")
+    p.add_argument("--prompt", type=span, default="100:300", help="prompt length range LO:HI")
+    p.add_argument("--output", type=span, default="16:128", help="output length range LO:HI")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]")
     p.add_argument("--static", action="store_true", help="add the config in static batching")
     p.add_argument("--hf-batch", default=None, help="comma-separated transformers batch sizes, each a row")
@@ -124,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
         rows.append(("static batching", base, True))
     model_path = resolve_model(base.model, base.cache_dir)
     vocab = open_checkpoint(model_path).config.vocab_size
-    work = workload(args.requests, span(args.prompt), span(args.output), vocab, args.seed)
+    work = workload(args.requests, args.prompt, args.output, vocab, args.seed)
     prompt_tokens, output_tokens = sum(len(ids) for ids, _ in work), sum(m for _, m in work)
     print(f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens, model {base.model}")
     seconds = {}

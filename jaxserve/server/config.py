@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from jaxserve.config import EngineConfig, Rule, at_least, check_types, option, read_config_file
+from jaxserve.config import EngineConfig, Rule, at_least, check_types, from_options, option, read_config_file
 from jaxserve.errors import ConfigError
 
 # RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
@@ -102,8 +102,4 @@ def load_run_config(
     server = data.pop("server", None) or {}
     if not isinstance(server, dict):
         raise ConfigError("server: must be a mapping")
-    names = {f.name for f in dataclasses.fields(ServerConfig)}
-    unknown = sorted(set(server) - names)
-    if unknown:
-        raise ConfigError(f"unknown server option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(names))}")
-    return EngineConfig.from_options(**data), ServerConfig(**server)
+    return EngineConfig.from_options(**data), from_options(ServerConfig, server, "server")

@@ -17,13 +17,7 @@ import uuid
 import grpc
 
 from jaxserve.assembly import EngineHandle
-from jaxserve.engine.async_engine import (
-    Delta,
-    EngineStoppedError,
-    EngineThread,
-    QueueFullError,
-    RequestIdInUseError,
-)
+from jaxserve.engine.async_engine import Delta, EngineStoppedError, EngineThread, QueueFullError, RequestIdInUseError
 from jaxserve.errors import RequestError
 from jaxserve.server.auth import TokenAuth, peer_identity
 from jaxserve.server.config import ServerConfig
@@ -35,6 +29,9 @@ from jaxserve.server.validation import validate
 MAX_DETAILS_CHARS = 1000  # status details travel as metadata: never echo a large input back
 LARGE_REQUEST_BYTES = 64 * 1024
 
+_LIVE_FIGURES = ("requests_waiting", "requests_running", "num_compiles") + tuple(
+    f"kv_pages_{state}" for state in ("held", "cached", "free", "total")
+)
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
 
@@ -175,13 +172,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             if sample.name.endswith("_total")
         }
         return pb.ServerStats(
-            requests_waiting=s.get("requests_waiting", 0),
-            requests_running=s.get("requests_running", 0),
-            kv_pages_held=s.get("kv_pages_held", 0),
-            kv_pages_cached=s.get("kv_pages_cached", 0),
-            kv_pages_free=s.get("kv_pages_free", 0),
-            kv_pages_total=s.get("kv_pages_total", 0),
-            num_compiles=s.get("num_compiles", 0),
+            **{name: s.get(name, 0) for name in _LIVE_FIGURES},  # the snapshot's names are the wire's
             requests_aborted={k[len("aborted_") :]: v for k, v in s.items() if k.startswith("aborted_")},
             requests_rejected=rejected,
         )

@@ -84,14 +84,9 @@ def prompt_ids(
             raise RequestError(f"text: {len(msg.text)} characters; at most {max_chars} (server.max_prompt_chars)")
         return handle.encode(msg.text)
     if kind == "token_ids":
-        ids = list(msg.token_ids.ids)
-        if not ids:
+        if not msg.token_ids.ids:
             raise RequestError("token_ids: the prompt is empty")
-        vocab = handle.model_config.vocab_size
-        for i, t in enumerate(ids):
-            if not 0 <= t < vocab:
-                raise RequestError(f"token_ids.ids[{i}] = {t}: out of range; allowed 0..{vocab - 1}")
-        return ids
+        return handle.encode(list(msg.token_ids.ids), "token_ids.ids")
     messages = []
     if not msg.chat.messages:
         raise RequestError("chat.messages: at least one message is required")
@@ -117,9 +112,7 @@ def validate(
     max_prompt_chars, max_prompt_tokens and max_tokens_limit)."""
     if len(msg.request_id) > MAX_REQUEST_ID_LEN:
         raise RequestError(f"request_id: {len(msg.request_id)} characters; at most {MAX_REQUEST_ID_LEN}")
-    ids = prompt_ids(msg, handle, limits.max_prompt_chars)
-    if len(ids) >= handle.max_model_len:
-        raise RequestError(f"prompt: {len(ids)} tokens; must be shorter than max_model_len ({handle.max_model_len})")
+    ids = prompt_ids(msg, handle, limits.max_prompt_chars)  # shorter than max_model_len
     if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
         raise RequestError(
             f"prompt: {len(ids)} tokens; this server allows at most {limits.max_prompt_tokens} "
