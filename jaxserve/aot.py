@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxserve import compile_cache
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
 from jaxserve.models.config import ModelConfig, config_from_hf
@@ -120,6 +121,9 @@ def tpu_target(topology: str) -> Target:
 
 
 def target(topology: str) -> Target:
+    # A compile-only executable cannot be loaded back (no client to load it into): JAX's
+    # persistent cache would only write entries and warn on reading them.
+    compile_cache.disable()
     if topology.split(":")[0] in GPU_CHIPS:
         from jaxserve.aot_gpu import gpu_target
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from jaxserve import compile_cache
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.kv_manager import KVManager
@@ -77,6 +78,10 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
     distributed = DistributedConfig.from_option(cfg.distributed)
     if distributed is not None:  # before anything else touches JAX
         initialize(distributed)
+    if cfg.compile_cache:  # before the first compile
+        compile_cache.enable(cfg.cache_dir)
+    else:
+        compile_cache.disable()
     ckpt = open_checkpoint(resolve_model(cfg.model, cfg.cache_dir))
     mcfg = ckpt.config
     tokenizer = ckpt.tokenizer()

@@ -31,6 +31,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import jax
 
     from jaxserve.assembly import assemble
+    from jaxserve.runner import compile_counter
     from jaxserve.server.config import load_run_config
     from jaxserve.server.server import Server
 
@@ -42,6 +43,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     handle = assemble(engine_cfg, progress=not args.quiet)
     runner = handle.engine.runner
     if jax.process_index() != 0:  # multi-host follower: replay process 0's steps
+        runner.compile_ahead(progress=not args.quiet)
         print(f"jaxserve: process {jax.process_index()} following process 0", flush=True)
         runner.follow()
         print("jaxserve: stopped", flush=True)
@@ -70,7 +72,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             await server.start()
         except asyncio.CancelledError:
             return False
-        print(f"jaxserve: serving {engine_cfg.model} on {server_cfg.host}:{server.port}", flush=True)
+        programs = f"{compile_counter.num_compiles()} programs, {compile_counter.num_cache_loads()} of them from the compile cache"
+        print(f"jaxserve: serving {engine_cfg.model} on {server_cfg.host}:{server.port} ({programs})", flush=True)
         await server.wait_and_drain()
         return True
 
@@ -143,7 +146,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
     config, _ = load_run_config(args.config, [], **options)  # a server: section is ignored here
-    llm = LLM(config=config, progress=not args.quiet)
+    llm = LLM(config=config, progress=not args.quiet, warmup=False)  # one prompt: compile what it needs
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )

@@ -167,6 +167,11 @@ class EngineConfig:
     )
     lpm_aging_steps: int = option(64, "lpm: a request that has waited this many steps goes first.", at_least(1))
     cache_dir: str | None = option(None, "Model cache (null: $XDG_CACHE_HOME/jaxserve).")
+    compile_cache: bool = option(
+        True,
+        "Keep compiled step programs in cache_dir/xla (one folder per machine), so a later start loads them "
+        "instead of compiling every bucket again.",
+    )
 
     def __post_init__(self) -> None:
         check_types(self)

@@ -59,8 +59,11 @@ class LLM:
         *,
         config: EngineConfig | None = None,
         progress: bool = True,
+        warmup: bool = True,
         **engine_options: Any,
     ):
+        """``warmup``: compile (or load from the compile cache) every step bucket now, so
+        the first ``generate`` runs as fast as later ones; off, each compiles on first use."""
         if config is not None and engine_options:
             raise ConfigError("give either config= or engine options, not both")
         self.config = config or EngineConfig.from_options(model=model, **engine_options)
@@ -71,6 +74,8 @@ class LLM:
         self.runner, self.scheduler, self.kv = h.engine.runner, h.engine.scheduler, h.engine.scheduler.kv
         self.max_model_len = h.max_model_len
         self.attention_backend = h.plan.backend
+        if warmup:
+            self.runner.warmup(progress)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a text, token-id list or chat message list (template applied),

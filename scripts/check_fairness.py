@@ -22,8 +22,8 @@ import threading
 import time
 from pathlib import Path
 
-from jaxserve.bench import cpu_model
 from jaxserve.client import Client, Credentials, wait_until_serving
+from jaxserve.hardware import cpu_model
 
 ALICE, BOB = "alice-0123456789abcdef", "bob-0123456789abcdef00"
 
@@ -125,7 +125,7 @@ def main() -> None:
     tokens.write_text(f"alice {ALICE}\nbob {BOB}\n")
     overrides = [*args.set, "server.port=0", "server.metrics_port=null", f"server.auth_tokens_file={tokens}"]
     engine_cfg, server_cfg = load_run_config(args.config, overrides)
-    llm = LLM(config=engine_cfg, progress=False)
+    llm = LLM(config=engine_cfg, progress=False, warmup=False)  # the server warms up
     server = Server(llm.handle, server_cfg, engine_cfg.model, progress=False)
     handle = ServerHandle(server)
     addr = f"127.0.0.1:{handle.start()}"

@@ -29,7 +29,9 @@ def main() -> None:
     for stub in (False, True):
         if stub:  # a pass-through: output = q, cache unchanged
             AttentionBackend.write_and_attend = lambda self, q, k, v, kv_cache, *a, **kw: (q, kv_cache)
-        llm = LLM(config=engine_config(args, "max_num_seqs=32", "max_num_batched_tokens=256"), progress=False)
+        llm = LLM(
+            config=engine_config(args, "max_num_seqs=32", "max_num_batched_tokens=256"), progress=False, warmup=False
+        )
         runner = llm.runner
         pages = [llm.kv.pool.allocate(17) for _ in range(32)]
         decode = [ScheduledSeq([5], 263, pages[i]) for i in range(32)]

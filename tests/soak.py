@@ -193,7 +193,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args()
     engine_cfg, server_cfg = load_run_config(args.config, [*args.set, "server.port=0", "server.metrics_port=null"])
-    llm = LLM(config=engine_cfg, progress=False)
+    llm = LLM(config=engine_cfg, progress=False, warmup=False)  # the server warms up
     server = Server(llm.handle, server_cfg, engine_cfg.model, progress=False)
     failures = check_every_step(server)
     handle = ServerHandle(server)

@@ -26,6 +26,7 @@ def _llm(path, backend: str, **kw) -> LLM:
         min_token_bucket=32,
         enable_prefix_caching=False,
         progress=False,
+        warmup=False,
         attention_backend=backend,
         attention_interpret=backend.startswith("pallas"),
     )

@@ -92,7 +92,7 @@ def test_missing_tensor(tiny_model_dir, tmp_path):
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="'model.layers.1.mlp.up_proj.weight' is missing"):
-        LLM(str(tmp_path), progress=False, num_pages=8)
+        LLM(str(tmp_path), progress=False, warmup=False, num_pages=8)
 
 
 def test_directory_without_tokenizer(tiny_model_dir, tmp_path):
@@ -171,7 +171,7 @@ def test_bad_sampling_params(params, message):
 
 def test_bad_prompts(tiny_model_dir):
     path, _ = tiny_model_dir("llama")
-    llm = LLM(str(path), progress=False, num_pages=16, max_model_len=64)
+    llm = LLM(str(path), progress=False, warmup=False, num_pages=16, max_model_len=64)
     with pytest.raises(RequestError, match="prompt is empty"):
         llm.generate([""])
     with pytest.raises(RequestError, match=r"prompt\[1\] = 999: out of range; allowed 0..319"):

@@ -34,9 +34,7 @@ def _make_llm(path, **kw) -> LLM:
         enable_prefix_caching=False,  # batching alone here; caching has its own tests
     )
     opts.update(kw)
-    llm = LLM(str(path), **opts)
-    llm.runner.warmup(progress=False)
-    return llm
+    return LLM(str(path), **opts)  # warmed up at construction
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,7 @@ def warm_llm(tiny_model_dir):
         max_num_seqs=8,
         max_num_batched_tokens=64,
         progress=False,
-    )
-    llm.runner.warmup(progress=False)
+    )  # warmed up at construction
     return llm
 
 

@@ -20,7 +20,7 @@ OPTIONS = dict(dtype="float32", page_size=16, num_pages=300, max_num_seqs=8, max
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(str(tiny_model_dir("llama3")[0]), progress=False, **OPTIONS)
+    return LLM(str(tiny_model_dir("llama3")[0]), progress=False, warmup=False, **OPTIONS)
 
 
 def _in_thread(fn) -> tuple[threading.Thread, list[BaseException]]:
@@ -131,7 +131,7 @@ def test_a_server_cannot_start_over_an_engine_in_use(llm):
 
 
 def test_a_failed_warmup_ends_waiting_offline_calls(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir("llama3")[0]), progress=False, **OPTIONS)
+    llm = LLM(str(tiny_model_dir("llama3")[0]), progress=False, warmup=False, **OPTIONS)
     from jaxserve.engine.async_engine import EngineThread
     from jaxserve.errors import EngineError
 

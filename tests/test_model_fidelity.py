@@ -20,6 +20,7 @@ def _llm(path, **kw) -> LLM:
         "max_num_seqs": 4,
         "num_pages": 64,
         "progress": False,
+        "warmup": False,
     }
     opts.update(kw)
     return LLM(str(path), **opts)

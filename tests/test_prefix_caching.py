@@ -15,7 +15,15 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def _llm(path, **kw) -> LLM:
-    opts = dict(dtype="float32", page_size=16, num_pages=200, max_num_batched_tokens=64, max_num_seqs=8, progress=False)
+    opts = dict(
+        dtype="float32",
+        page_size=16,
+        num_pages=200,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        progress=False,
+        warmup=False,
+    )
     opts.update(kw)
     return LLM(str(path), **opts)
 

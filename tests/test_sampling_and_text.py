@@ -18,7 +18,9 @@ from tests.conftest import rng_tokens
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     path, hf = tiny_model_dir("qwen2")
-    llm = LLM(str(path), dtype="float32", page_size=8, num_pages=128, max_num_batched_tokens=64, progress=False)
+    llm = LLM(
+        str(path), dtype="float32", page_size=8, num_pages=128, max_num_batched_tokens=64, progress=False, warmup=False
+    )
     return llm, hf
 
 

@@ -125,7 +125,9 @@ def test_a_second_server_on_a_taken_port_fails_naming_it(served_plain, tiny_mode
 
     server, _ = served_plain
     taken = server.port
-    llm = LLM(str(tiny_model_dir("llama3")[0]), dtype="float32", num_pages=64, max_num_seqs=2, progress=False)
+    llm = LLM(
+        str(tiny_model_dir("llama3")[0]), dtype="float32", num_pages=64, max_num_seqs=2, progress=False, warmup=False
+    )
     other = Server(llm.handle, ServerConfig(port=taken, metrics_port=None, warmup=False), "tiny", progress=False)
     handle = ServerHandle(other)
     with pytest.raises(ConfigError, match=rf"server.port = {taken}: cannot listen on 127.0.0.1:{taken}"):

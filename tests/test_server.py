@@ -31,6 +31,7 @@ def served(tiny_model_dir):
         max_num_seqs=8,
         max_num_batched_tokens=64,
         progress=False,
+        warmup=False,
     )
     gate = threading.Event()
 

@@ -21,7 +21,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
-    return LLM(str(smollm2_path), dtype="float32", max_num_batched_tokens=64, max_num_seqs=1, progress=False)
+    return LLM(
+        str(smollm2_path), dtype="float32", max_num_batched_tokens=64, max_num_seqs=1, progress=False, warmup=False
+    )
 
 
 def test_every_dequantized_tensor_equals_transformers(smollm2_path, smollm2_hf):
@@ -86,6 +88,7 @@ def test_batch_equivalence_on_smollm2(smollm2_path):
         max_num_batched_tokens=64,
         enable_prefix_caching=False,
         progress=False,
+        warmup=False,
     )
     rng = random.Random(1)
     work = [
@@ -115,7 +118,7 @@ def test_prefix_caching_keeps_greedy_outputs_identical(smollm2_path):
     results = {}
     for mode in ("off", "page", "token"):
         opts = {"enable_prefix_caching": False} if mode == "off" else {"prefix_match": mode}
-        llm = LLM(str(smollm2_path), dtype="float32", max_num_batched_tokens=64, progress=False, **opts)
+        llm = LLM(str(smollm2_path), dtype="float32", max_num_batched_tokens=64, progress=False, warmup=False, **opts)
         shared = [
             o.token_ids for o in llm.generate([[system, {"role": "user", "content": q}] for q in questions], params)
         ]
@@ -143,7 +146,9 @@ def test_server_stream_with_emoji_and_cjk_equals_offline(smollm2_path):
     from jaxserve.server.config import ServerConfig
     from jaxserve.server.server import Server, ServerHandle
 
-    llm = LLM(str(smollm2_path), dtype="float32", max_num_batched_tokens=64, max_num_seqs=4, progress=False)
+    llm = LLM(
+        str(smollm2_path), dtype="float32", max_num_batched_tokens=64, max_num_seqs=4, progress=False, warmup=False
+    )
     prompts = [
         [{"role": "user", "content": "Write the Japanese word for cat (猫) and add a cat emoji 🐱."}],
         [{"role": "user", "content": 'Translate "hello" into Chinese characters and end with a smiley emoji 😊.'}],

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
-import platform
 from typing import TYPE_CHECKING
+
+from jaxserve.hardware import cpu_model
 
 if TYPE_CHECKING:  # the CLI parses arguments without importing JAX
     from jaxserve.config import EngineConfig
@@ -77,24 +77,6 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     if not sep or not name or any("=" not in x for x in sets.split(",")):
         raise ConfigError(f"--variant {text!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
     return name, sets.split(",")
-
-
-def cpu_model() -> str:
-    """The CPU model and core count (speed figures mean little without them)."""
-    fields = ("model name", "cpu family", "model")
-    info = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in fields:
-                    info[key.strip()] = value.strip()
-    except OSError:
-        info = {"model name": platform.processor() or platform.machine()}
-    family = (
-        f" (family {info['cpu family']}, model {info['model']})" if "cpu family" in info and "model" in info else ""
-    )
-    return f"{info.get('model name', 'unknown')}{family}; {os.cpu_count()} cores"
 
 
 def footer(args: argparse.Namespace) -> None:

@@ -46,7 +46,6 @@ def main(args: argparse.Namespace) -> int:
     )
     for mode, setting in MODES.items():
         llm = LLM(config=engine_config(args, setting), progress=not args.quiet)
-        llm.runner.warmup(progress=False)
         vocab = llm.model_config.vocab_size
         workloads = {
             f"shared prefix {args.system_len}": workload(

@@ -21,6 +21,7 @@ from jaxserve.engine.output import OutputStage
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.errors import JaxServeError
+from jaxserve.runner import compile_counter
 from jaxserve.runner.batch import ScheduledSeq
 from jaxserve.runner.model_runner import ModelRunner, SeqSampling
 from jaxserve.sampling_params import SamplingParams
@@ -170,7 +171,8 @@ class Engine:
             **self.counters,
             **self.scheduler.kv.usage(self.scheduler.running),
             "num_preemptions": self.scheduler.num_preemptions,
-            "num_compiles": self.runner.num_compiles,
+            "num_compiles": self.runner.num_compiles,  # compiled or loaded from the compile cache
+            "num_compiles_loaded": compile_counter.num_cache_loads(),
             "requests_running": len(self.scheduler.running),
             "requests_waiting": len(self.scheduler.waiting),
         }

@@ -1,4 +1,10 @@
-"""Counts XLA backend compiles through ``jax.monitoring`` (no patching of JAX internals)."""
+"""Counts XLA backend compiles through ``jax.monitoring`` (no patching of JAX internals).
+
+Each program the step needs and does not have yet counts once, whether XLA compiles it
+or loads it from the persistent compilation cache (``jaxserve.compile_cache``): either
+way a step waited for it, so "no compiles after warm-up" counts both. Loads are also
+counted on their own.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +12,17 @@ import threading
 
 import jax
 
-_EVENT = "/jax/core/compile/backend_compile_duration"
+_REQUEST = "/jax/core/compile/backend_compile_duration"  # compiled or loaded
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _lock = threading.Lock()
-_count = 0
+_counts = {_REQUEST: 0, _CACHE_HIT: 0}
 _installed = False
 
 
-def _listener(event: str, duration: float, **kwargs) -> None:
-    global _count
-    if event == _EVENT:
+def _listener(event: str, *args, **kwargs) -> None:
+    if event in _counts:
         with _lock:
-            _count += 1
+            _counts[event] += 1
 
 
 def install() -> None:
@@ -24,10 +30,17 @@ def install() -> None:
     with _lock:
         if not _installed:
             jax.monitoring.register_event_duration_secs_listener(_listener)
+            jax.monitoring.register_event_listener(_listener)
             _installed = True
 
 
 def num_compiles() -> int:
-    """Backend compiles in this process since :func:`install` was first called."""
+    """Programs compiled or loaded from the cache in this process since :func:`install`."""
     install()
-    return _count
+    return _counts[_REQUEST]
+
+
+def num_cache_loads() -> int:
+    """Of those, the ones loaded from the persistent compilation cache (not compiled)."""
+    install()
+    return _counts[_CACHE_HIT]

@@ -268,14 +268,38 @@ class ModelRunner:
         return np.asarray(logits)[: b.num_tokens]
 
     def warmup(self, progress: bool = True) -> None:
-        """Compiles the step for every (token bucket, sequence bucket) pair, and the
-        penalised sampler for every sequence bucket."""
+        """``compile_ahead``, then runs the largest step once, so a device that cannot hold
+        its temporaries fails at start-up rather than on the first full batch."""
+        self.compile_ahead(progress)
+        t, s = self.cfg.bucket_pairs[-1]
+        self.execute(bucket_seqs(self.cfg, t, s), greedy(s))
+
+    def compile_ahead(self, progress: bool = True) -> None:
+        """Compiles (or loads from the compile cache) the model for every (token bucket,
+        sequence bucket) pair, both samplers for every sequence bucket and the page copy,
+        without running them: the jitted calls then find them (no compile after warm-up).
+        Local to this process: multi-host followers call it too, before ``follow``."""
         pairs = self.cfg.bucket_pairs
-        penalised = {s: (t, s) for t, s in reversed(pairs)}.values()  # the smallest t per s
-        jobs = [(t, s, False) for t, s in pairs] + [(t, s, True) for t, s in penalised]
-        for t, s, penalties in tqdm(jobs, desc="compiling step buckets", disable=not progress, leave=False):
-            self.execute(bucket_seqs(self.cfg, t, s), greedy(s, penalties))
-        self.copy_pages([(0, 0)])
+        seq_buckets = sorted({s for _, s in pairs})
+        bar = tqdm(total=len(pairs) + 2 * len(seq_buckets) + 1, desc="compiling step buckets", disable=not progress)
+        logits = {}  # sequence bucket -> logits placed as the sampler receives them
+        for t, s in pairs:
+            _, (md, _, _) = step_inputs(self.cfg, bucket_seqs(self.cfg, t, s), greedy(s))
+            out = self._forward.lower(self.state, self.kv_cache, md).compile().out_info[1]
+            # An array placed as the model's output will be: jit keys a call by its arguments'
+            # placement, committed to devices (under a mesh) or not (one device).
+            zeros = np.zeros(out.shape, out.dtype)
+            logits[s] = jax.device_put(zeros, out.sharding if self.kv_cache.committed else None)
+            bar.update()
+        for s in seq_buckets:
+            for penalties in (False, True):
+                _, (_, smd, pmd) = step_inputs(self.cfg, bucket_seqs(self.cfg, s, s), greedy(s, penalties))
+                self._sample.lower(logits[s], smd, pmd).compile()
+                bar.update()
+        pages = np.zeros(self.cfg.max_num_seqs, np.int32)
+        self._copy_pages.lower(self.kv_cache, pages, pages).compile()
+        bar.update()
+        bar.close()
 
     @property
     def num_compiles(self) -> int:
