@@ -122,11 +122,14 @@ class EngineConfig:
         None,
         "Storage and matmul dtype of the decoder layers' linear weights (null: dtype). The embedding, LM head, "
         "norms and attention math keep dtype; on CPUs with bfloat16 units, bfloat16 under float32 activations "
-        "runs the layers ~2.5x faster.",
-        one_of(*DTYPES),
+        "runs the layers ~2.5x faster. auto: bfloat16 under float32 activations where the device has "
+        "bfloat16 units (accelerators; CPUs with AVX-512 BF16 or AMX), else dtype.",
+        one_of(*DTYPES, "auto"),
     )
     kv_cache_dtype: str | None = option(
-        None, "Storage dtype of the KV cache (null: dtype); attention widens it to float32.", one_of(*DTYPES)
+        None,
+        "Storage dtype of the KV cache (null: dtype); attention widens it to float32. auto: as weight_dtype.",
+        one_of(*DTYPES, "auto"),
     )
     page_size: int = option(16, "Tokens per KV page.", one_of(8, 16, 32, 64, 128))
     num_pages: int | None = option(

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jaxserve.attention import AttentionBackend
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
+from jaxserve.hardware import has_bfloat16_units
 from jaxserve.models.config import ModelConfig
 from jaxserve.parallel import MeshConfig, check_divisible, make_mesh
 from jaxserve.runner.batch import MIN_TOKEN_BUCKET
@@ -31,6 +32,17 @@ def default_dtype(platform: str) -> str:
     """float32 on CPU (exact against transformers; see weight_dtype for speed), bfloat16
     on accelerators."""
     return "float32" if platform == "cpu" else "bfloat16"
+
+
+def storage_dtype(option: str | None, dtype: str, platform: str) -> str:
+    """weight_dtype / kv_cache_dtype resolved: null is the activation dtype; ``auto`` is
+    bfloat16 under float32 activations where the device computes bfloat16 fast (every
+    accelerator; a CPU with AVX-512 BF16 or AMX: 2-4x float32's matmul speed), else dtype
+    (a CPU without them converts bfloat16 in software, slower than float32)."""
+    if option != "auto":
+        return option or dtype
+    fast = platform != "cpu" or has_bfloat16_units()
+    return "bfloat16" if fast and dtype == "float32" else dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +72,14 @@ class EnginePlan:
     backend: AttentionBackend
     num_pages: int
     runner: RunnerConfig
+
+    @property
+    def numerics(self) -> str:
+        """What start-up reports: the dtypes in use (and, on a CPU, what ``auto`` saw)."""
+        units = (
+            f"; this CPU has{'' if has_bfloat16_units() else ' no'} bfloat16 units" if self.platform == "cpu" else ""
+        )
+        return f"activations {self.dtype}, layer weights {self.weight_dtype}, KV cache {self.kv_dtype}{units}"
 
     @property
     def kv_bytes_per_page(self) -> int:
@@ -146,7 +166,7 @@ def resolve_plan(
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    kv_dtype = cfg.kv_cache_dtype or dtype
+    kv_dtype = storage_dtype(cfg.kv_cache_dtype, dtype, platform)
     if backend.name == "cpu" and kv_dtype not in cpu_attention.KV_DTYPES:
         if cfg.attention_backend != "auto":
             raise ConfigError(
@@ -172,12 +192,11 @@ def resolve_plan(
         attention_backend=backend,
         kv_cache_dtype=kv_dtype,
     )
-    weight_dtype = cfg.weight_dtype or dtype
     return EnginePlan(
         mcfg,
         platform,
         dtype,
-        weight_dtype,
+        storage_dtype(cfg.weight_dtype, dtype, platform),
         kv_dtype,
         max_model_len,
         mesh_cfg,
