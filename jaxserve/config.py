@@ -145,8 +145,9 @@ class EngineConfig:
     max_num_seqs: int = option(32, "Sequences per step; also the largest sequence bucket.", at_least(1))
     min_token_bucket: int | None = option(
         None,
-        "Smallest token bucket (null: min(64, max_num_batched_tokens)): from 64 rows up, XLA:CPU's matmul "
-        "rows are bitwise identical for every row count, so a request's tokens do not depend on its batch.",
+        "Smallest token bucket (null: min(8, max_num_batched_tokens)). XLA:CPU computes each row of a matmul "
+        "the same way at any row count, so a request's tokens do not depend on its batch; 64 restores the "
+        "guarantee on XLA:CPU builds before YNNPACK, whose rows agreed only from 64 up.",
         at_least(1),
     )
     attention_backend: str = option(

@@ -72,3 +72,21 @@ def test_no_compile_after_warmup_for_any_request_mix(warm_llm, mix, shared_prefi
         llm.scheduler.check_integrity()
     assert llm.stats()["num_compiles"] == before
     assert llm.stats()["kv_pages_held"] == 0
+
+
+@pytest.mark.parametrize("budget, seqs, smallest", [(256, 32, 8), (64, 16, 1), (20, 24, 8), (512, 32, 64), (8, 2, 8)])
+def test_warm_up_covers_exactly_the_bucket_pairs_a_step_can_hit(budget, seqs, smallest):
+    from jaxserve.runner.batch import pack, pick_bucket
+    from jaxserve.runner.model_runner import RunnerConfig, bucket_seqs
+
+    cfg = RunnerConfig(16, 40, 600, budget, seqs, min_token_bucket=smallest)
+    tokens, seq_buckets = cfg.buckets
+    reachable = {
+        (pick_bucket(tokens, n), pick_bucket(seq_buckets, k))
+        for n in range(1, budget + 1)
+        for k in range(1, min(n, seqs) + 1)
+    }
+    assert set(cfg.bucket_pairs) == reachable
+    for t, s in cfg.bucket_pairs:  # and warm-up's stand-in batch really lands in each
+        md = pack(bucket_seqs(cfg, t, s), 16, cfg.pages_per_seq, tokens, seq_buckets).md
+        assert (len(md.input_ids), len(md.kv_lens)) == (t, s)

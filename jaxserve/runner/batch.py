@@ -16,9 +16,11 @@ import numpy as np
 from jaxserve.attention import AttentionMetadata
 
 SCRATCH_PAGE = 0
-# Smallest token bucket by default: on XLA:CPU a matmul's rows are bitwise identical for
-# every row count >= 64, so from 64 up a request's tokens do not depend on its batch.
-MIN_TOKEN_BUCKET = 64
+# Smallest token bucket by default. XLA:CPU's dots (YNNPACK, jaxlib >= 0.10) compute every
+# row the same way whatever the row count, so a request's tokens do not depend on its batch
+# at any bucket (tests/test_batching.py checks it); a lone decode then costs 8 rows of work
+# instead of the 64 that XLA:CPU's older Eigen dots needed for that guarantee.
+MIN_TOKEN_BUCKET = 8
 
 
 def make_buckets(
@@ -27,10 +29,10 @@ def make_buckets(
     """Token buckets (powers of two from ``min_token_bucket``, then the max) and sequence
     buckets (likewise from ``min_seq_bucket``).
 
-    On CPU sequence buckets start at 2: a one-row matmul (the LM head of a lone request)
-    rounds differently from 2..32 rows on XLA:CPU, which would make a request's logits
-    depend on whether it runs alone. Accelerators start at 8 (a TPU sublane tile; a
-    handful of padding rows costs nothing there), which saves compiles.
+    On CPU sequence buckets start at 2 (XLA:CPU's Eigen dots rounded a one-row LM head
+    differently; its YNNPACK dots do not, so 2 now only saves a program). Accelerators
+    start at 8 (a TPU sublane tile; a handful of padding rows costs nothing there), which
+    saves compiles.
     """
 
     def powers(lo: int, hi: int) -> list[int]:

@@ -24,7 +24,7 @@ from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.parallel import kv_cache_sharding, replicated
 from jaxserve.parallel.multihost import COPY_PAGES, STEP, STOP, StepChannel, to_host
 from jaxserve.runner import compile_counter
-from jaxserve.runner.batch import MIN_TOKEN_BUCKET, PackedBatch, ScheduledSeq, make_buckets, pack
+from jaxserve.runner.batch import MIN_TOKEN_BUCKET, PackedBatch, ScheduledSeq, make_buckets, pack, pick_bucket
 from jaxserve.runner.sampler import MAX_BLOCKED, PenaltyMetadata, SamplerOutput, SamplingMetadata, sample
 from jaxserve.sampling_params import SamplingParams
 
@@ -52,9 +52,11 @@ class RunnerConfig:
 
     @property
     def bucket_pairs(self) -> list[tuple[int, int]]:
-        """Every (token bucket, sequence bucket) a step can hit: warm-up compiles each."""
+        """Every (token bucket, sequence bucket) a step can hit: warm-up compiles each. A step
+        of at most ``t`` tokens has at most ``t`` sequences, padded up to their own bucket
+        (which may be larger than ``t``: 1 token, 1 sequence is bucket pair (8, 2) or (1, 2))."""
         tokens, seqs = self.buckets
-        return [(t, s) for t in tokens for s in seqs if s <= t]
+        return [(t, s) for t in tokens for s in seqs if s <= pick_bucket(seqs, min(t, self.max_num_seqs))]
 
 
 def _seed32(seed: int) -> int:
@@ -119,8 +121,10 @@ def sampling_metadata(
 
 
 def bucket_seqs(cfg: RunnerConfig, t: int, s: int) -> list[ScheduledSeq]:
-    """s sequences sharing t tokens, every page the scratch page: hits bucket (t, s)."""
-    sizes = [t // s + (i < t % s) for i in range(s)]
+    """min(s, t) sequences sharing t tokens, every page the scratch page: hits bucket
+    (t, s) (for s > t, the t one-token sequences pad up to s)."""
+    k = min(s, t)
+    sizes = [t // k + (i < t % k) for i in range(k)]
     return [ScheduledSeq([0] * n, 0, [0] * cfg.pages_per_seq) for n in sizes]
 
 
