@@ -27,14 +27,21 @@ def main(args: argparse.Namespace) -> int:
     llm = LLM(config=cfg, progress=not args.quiet)
     prompt = [i % 1000 + 100 for i in range(args.prompt_len)]
 
-    def run(max_tokens: int) -> float:
+    def run() -> tuple[float, float]:
+        """(seconds to the first token, seconds per later token) of one request, timed step
+        by step (a difference of two runs' times goes negative on a busy machine)."""
+        params = SamplingParams(max_tokens=args.new_tokens + 1, temperature=0.0, ignore_eos=True)
+        request = llm.engine.add_request(prompt, params)
         t0 = time.perf_counter()
-        llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-        return time.perf_counter() - t0
+        while request.num_output_tokens == 0:
+            llm.engine.step()
+        t1 = time.perf_counter()
+        while not request.status.is_finished:
+            llm.engine.step()
+        return t1 - t0, (time.perf_counter() - t1) / args.new_tokens
 
-    run(1), run(2)  # compile the prefill and decode shapes
-    prefill = run(1)
-    decode = (run(args.new_tokens + 1) - prefill) / args.new_tokens
+    runs = [run() for _ in range(3)]  # warmed up at construction; the best of three
+    prefill, decode = min(r[0] for r in runs), min(r[1] for r in runs)
     print(
         f"platform {jax.default_backend()}, dtype {llm.plan.dtype}, weights {llm.plan.weight_dtype}, model {cfg.model}"
     )
