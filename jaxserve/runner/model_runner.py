@@ -285,7 +285,8 @@ class ModelRunner:
         Local to this process: multi-host followers call it too, before ``follow``."""
         pairs = self.cfg.bucket_pairs
         seq_buckets = sorted({s for _, s in pairs})
-        bar = tqdm(total=len(pairs) + 2 * len(seq_buckets) + 1, desc="compiling step buckets", disable=not progress)
+        jobs = len(pairs) + 2 * len(seq_buckets) + 1
+        bar = tqdm(total=jobs, desc="compiling step buckets", disable=not progress, leave=False)
         logits = {}  # sequence bucket -> logits placed as the sampler receives them
         for t, s in pairs:
             _, (md, _, _) = step_inputs(self.cfg, bucket_seqs(self.cfg, t, s), greedy(s))
