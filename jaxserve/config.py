@@ -120,10 +120,11 @@ class EngineConfig:
     )
     weight_dtype: str | None = option(
         None,
-        "Storage and matmul dtype of the decoder layers' linear weights (null: dtype). The embedding, LM head, "
-        "norms and attention math keep dtype; on CPUs with bfloat16 units, bfloat16 under float32 activations "
-        "runs the layers ~2.5x faster. auto: bfloat16 under float32 activations where the device has "
-        "bfloat16 units (accelerators; CPUs with AVX-512 BF16 or AMX), else dtype.",
+        "Storage and matmul dtype of the decoder layers' linear weights and the LM head (null: dtype; a tied "
+        "head gets its own copy). The embedding table, norms and attention math keep dtype; on CPUs with "
+        "bfloat16 units, bfloat16 under float32 activations runs the layers ~2.5x faster. auto: bfloat16 "
+        "under float32 activations where the device has bfloat16 units (accelerators; CPUs with AVX-512 BF16 "
+        "or AMX), else dtype.",
         one_of(*DTYPES, "auto"),
     )
     kv_cache_dtype: str | None = option(

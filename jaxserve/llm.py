@@ -29,7 +29,7 @@ class RequestOutput:
     text: str
     finish_reason: str  # "stop" (EOS, a stop token or a stop string), "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None  # when params.logprobs is set, as in vLLM
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     logprobs: list[float] | None = None  # of each generated token (when params.logprobs is set)
     top_logprobs: list[list[tuple[int, float]]] | None = None
@@ -43,7 +43,7 @@ def _output(r: Request) -> RequestOutput:
         text=r.output_text,
         finish_reason=r.finish_reason or "abort",
         stop_reason=r.stop_reason,
-        cumulative_logprob=float(sum(r.output_logprobs)),
+        cumulative_logprob=float(sum(r.output_logprobs)) if want else None,
         num_cached_tokens=r.num_cached_tokens,
         logprobs=list(r.output_logprobs) if want else None,
         top_logprobs=list(r.output_top_logprobs) if want else None,

@@ -11,7 +11,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.runner.sampler import MAX_BLOCKED, MAX_LOGPROBS, PenaltyMetadata, SamplerOutput, block, penalize
+from jaxserve.runner.sampler import MAX_BLOCKED, MAX_LOGPROBS, PenaltyMetadata, SamplerOutput, argmax, block, penalize
 from tests.conftest import rng_tokens
 
 
@@ -37,6 +37,32 @@ def test_logprobs_match_transformers(tiny):
         assert len(top) == 5 and top[0][0] == token  # greedy: the sampled token is the best
         assert [t for t, _ in top] == list(np.argsort(-ref[i])[:5])
         assert all(abs(lp - ref[i, t]) < 1e-4 for t, lp in top)
+
+
+def test_logprobs_only_when_asked(tiny):
+    """Without ``logprobs`` a request gets no logprob figures (the step skips the
+    log-softmax); with ``logprobs=0`` it gets the sampled token's and their sum."""
+    llm, hf = tiny
+    ids = rng_tokens(9, hf.config.vocab_size, seed=16)
+    plain = llm.generate([ids], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+    asked = llm.generate([ids], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0))[0]
+    assert plain.token_ids == asked.token_ids
+    assert plain.logprobs is None and plain.cumulative_logprob is None
+    assert len(asked.logprobs) == 3 and all(lp <= 0 for lp in asked.logprobs)
+    assert asked.cumulative_logprob == pytest.approx(sum(asked.logprobs))
+    assert asked.top_logprobs == []  # top-n only for n > 0
+
+
+@pytest.mark.parametrize("vocab", [49152, 128256, 151936, 320, 97, 1])
+def test_two_level_argmax_is_argmax(vocab):
+    """The sampler's blocked argmax gives jnp.argmax's first index of the max, ties
+    included, for vocabularies with and without a block width dividing them."""
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(0, 4, (6, vocab)).astype(np.float32)  # many ties
+    x[1] = 3.0  # a row all tied: index 0
+    x[2, -1] = 9.0  # the max in the last column
+    got = np.asarray(argmax(jax.numpy.asarray(x)))
+    assert got.tolist() == np.argmax(x, axis=-1).tolist()
 
 
 def test_min_tokens_blocks_stop_tokens(tiny):

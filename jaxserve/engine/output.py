@@ -51,7 +51,8 @@ class OutputStage:
         logprobs = result.logprobs.tolist()
         for s in got:
             request = s.request
-            request.output_logprobs.append(logprobs[s.row])
+            if request.params.logprobs is not None:  # else the step did not compute them
+                request.output_logprobs.append(logprobs[s.row])
             if n := request.params.logprobs:
                 request.output_top_logprobs.append(
                     list(zip(result.top_ids[s.row, :n].tolist(), result.top_logprobs[s.row, :n].tolist(), strict=True))

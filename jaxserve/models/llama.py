@@ -140,8 +140,13 @@ class LlamaForCausalLM(nnx.Module):
 
         self.layers = make_layers(rngs)
         self.norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
-        if not cfg.tie_word_embeddings:
-            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+        # Narrow layer weights bring a narrow LM head, tied or not: its own [E, V] copy in
+        # weight_dtype (a real bfloat16 array: outside the layer scan nothing hoists a
+        # widening, and a bitcast of a whole parameter is a copy). On an AMX CPU a [32,
+        # 576] x [576, 49152] head runs 2.6x faster so (3.0 against 7.7 ms) than a float32
+        # x @ embed.T; the lookup keeps the float32 table.
+        if not cfg.tie_word_embeddings or weight_dtype is not None:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), weight_dtype or dtype)
 
     def __call__(
         self, kv_cache: jax.Array, md: AttentionMetadata, backend: AttentionBackend = REFERENCE
@@ -169,7 +174,7 @@ class LlamaForCausalLM(nnx.Module):
         (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layer_state, layer_ids, windows))
         x = x[md.logits_indices]
         x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
-        head = embed.T if cfg.tie_word_embeddings else self.lm_head[...]
+        head = self.lm_head[...] if hasattr(self, "lm_head") else embed.T
         logits = jnp.dot(x.astype(head.dtype), head, preferred_element_type=jnp.float32)
         if backend.mesh is not None:
             # Each device computes the logits of its vocabulary shard. Left to itself, GSPMD

@@ -47,9 +47,9 @@ _GLOBAL_PARAMS = {
     "lm_head": ("lm_head.weight", True),
 }
 
-# Stored in weight_dtype. The embedding and LM head keep the activation dtype: on XLA:CPU
-# a float32 LM head (x @ embed.T) is 2x faster than a bfloat16 one at decode batch sizes
-# (bits or not), and the lookup reads only a few rows.
+# Stored in weight_dtype, as 16-bit patterns when narrower than the activations (the
+# layer scan; llama.weight). The embedding table keeps the activation dtype (the lookup
+# reads a few rows); the LM head is weight_dtype as a real array (llama.py says why).
 MATMUL_PARAMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KV_PARAMS = ("k_proj", "v_proj", "k_bias", "v_bias")  # last axis is [Hkv * head_dim]
 
@@ -148,9 +148,11 @@ def load_model(
         if ours not in shapes:
             continue
         if ours == "lm_head" and hf_name not in names:
-            raise ModelLoadError(f"{ckpt.path} has no {hf_name} but the config does not tie embeddings")
+            if not cfg.tie_word_embeddings:
+                raise ModelLoadError(f"{ckpt.path} has no {hf_name} but the config does not tie embeddings")
+            hf_name = _GLOBAL_PARAMS["embed"][0]  # tied, held apart in weight_dtype: embed.T
         shape = tuple(shapes[ours].shape)
-        np_dtype = weight_np if ours in MATMUL_PARAMS else act_np
+        np_dtype = weight_np if ours in MATMUL_PARAMS or ours == "lm_head" else act_np
         params[ours] = put(ours, _convert(ckpt.read(hf_name), transpose, shape, np_dtype, hf_name))
         bar.update()
     for ours, (suffix, transpose) in _LAYER_PARAMS.items():

@@ -96,11 +96,11 @@ def sampling_metadata(
     """The sampler's inputs; penalty inputs only when a sequence has a history."""
     seeds = np.zeros(s_pad, np.uint32)
     blocked = np.full((s_pad, MAX_BLOCKED), -1, np.int32)
-    num_logprobs = np.zeros(s_pad, np.int32)
+    num_logprobs = np.full(s_pad, -1, np.int32)
     for i, x in enumerate(sampling):
         seeds[i] = _seed32(x.seed)
         blocked[i, : len(x.blocked_ids)] = x.blocked_ids
-        num_logprobs[i] = x.params.logprobs or 0
+        num_logprobs[i] = -1 if x.params.logprobs is None else x.params.logprobs
     smd = SamplingMetadata(
         **_per_seq(sampling, s_pad, {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}),
         seeds=seeds,

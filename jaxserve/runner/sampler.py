@@ -6,7 +6,7 @@ or temperature -> top-k -> top-p -> min-p -> categorical draw. Each sequence's k
 ``fold_in(key(seed), position)``: a seeded request draws the same token at the same
 position whatever else shares the batch. Logprobs are of the raw model distribution.
 Steps where nobody needs a feature skip it (``lax.cond``), so the common all-greedy step
-is a plain argmax.
+without logprobs is a plain argmax: no softmax over the vocabulary.
 
 Penalties need each sequence's token history, ``[S, max_model_len]``: megabytes per step
 on an accelerator. Only steps with a penalised request send it: ``sample`` called with
@@ -35,7 +35,7 @@ class SamplingMetadata:
     seeds: jax.Array  # [S] uint32
     positions: jax.Array  # [S] int32, position of the token being sampled
     blocked_ids: jax.Array  # [S, MAX_BLOCKED] int32, -1 padding
-    num_logprobs: jax.Array  # [S] int32, top-n wanted (0 = none)
+    num_logprobs: jax.Array  # [S] int32, top-n wanted; 0: the sampled token's only; -1: none
 
 
 @jax.tree_util.register_dataclass
@@ -85,6 +85,27 @@ def block(logits: jax.Array, blocked_ids: jax.Array) -> jax.Array:
     rows = jnp.arange(s)[:, None]
     blocked = jnp.where(blocked_ids >= 0, blocked_ids, vocab)
     return jnp.concatenate([logits, jnp.zeros((s, 1), logits.dtype)], axis=1).at[rows, blocked].set(-jnp.inf)[:, :vocab]
+
+
+def _block_width(vocab: int) -> int:
+    """The largest divisor of ``vocab`` in [64, 1024] (0: none)."""
+    return next((b for b in range(min(vocab, 1024), 63, -1) if vocab % b == 0), 0)
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` (the first index of the largest value, NaN included), in
+    two levels: the first block of ``b`` values holding the row's max, then the first max
+    in that block. XLA:CPU runs a flat argmax's (value, index) reduction over a [32,
+    49152] row batch in 2.3 ms and this in 0.3 ms; a vocabulary without a divisor in
+    [64, 1024] takes the flat one."""
+    s, vocab = x.shape
+    b = _block_width(vocab)
+    if not b:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    blocks = x.reshape(s, vocab // b, b)
+    first = jnp.argmax(blocks.max(axis=-1), axis=-1)  # a block before it has a smaller max
+    block = jnp.take_along_axis(blocks, first[:, None, None], axis=1)[:, 0]
+    return (first * b + jnp.argmax(block, axis=-1)).astype(jnp.int32)
 
 
 def _sortable(x: jax.Array) -> jax.Array:
@@ -148,7 +169,7 @@ def _sample_rows(logits, md: SamplingMetadata) -> jax.Array:
         return jax.random.categorical(jax.random.fold_in(jax.random.key(seed), position), row)
 
     sampled = jax.vmap(draw)(masked, md.seeds, md.positions)
-    return jnp.where(md.temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+    return jnp.where(md.temperature > 0, sampled, argmax(logits)).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, md: SamplingMetadata, penalties: PenaltyMetadata | None = None) -> SamplerOutput:
@@ -161,19 +182,30 @@ def sample(logits: jax.Array, md: SamplingMetadata, penalties: PenaltyMetadata |
         return _sample_rows(x, md)
 
     def greedy(x):
-        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+        return argmax(x).astype(jnp.int32)
 
     tokens = jax.lax.cond(jnp.all(md.temperature == 0), greedy, random, logits)
-    logprobs = jax.nn.log_softmax(raw, axis=-1)
-    sampled = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    s = raw.shape[0]
 
-    def top(lp):
-        values, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
-        return ids.astype(jnp.int32), values
+    def with_logprobs(raw):
+        logprobs = jax.nn.log_softmax(raw, axis=-1)
+        sampled = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
-    def no_top(lp):
-        s = lp.shape[0]
-        return jnp.zeros((s, MAX_LOGPROBS), jnp.int32), jnp.zeros((s, MAX_LOGPROBS), lp.dtype)
+        def top(lp):
+            values, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+            return ids.astype(jnp.int32), values
 
-    top_ids, top_logprobs = jax.lax.cond(jnp.any(md.num_logprobs > 0), top, no_top, logprobs)
+        def no_top(lp):
+            return jnp.zeros((s, MAX_LOGPROBS), jnp.int32), jnp.zeros((s, MAX_LOGPROBS), lp.dtype)
+
+        return sampled, *jax.lax.cond(jnp.any(md.num_logprobs > 0), top, no_top, logprobs)
+
+    def without(raw):  # nobody asked: no log-softmax over [S, V] (~1.2 ms at 32 rows on CPU)
+        return (
+            jnp.zeros((s,), raw.dtype),
+            jnp.zeros((s, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((s, MAX_LOGPROBS), raw.dtype),
+        )
+
+    sampled, top_ids, top_logprobs = jax.lax.cond(jnp.any(md.num_logprobs >= 0), with_logprobs, without, raw)
     return SamplerOutput(tokens, sampled, top_ids, top_logprobs)
