@@ -7,12 +7,15 @@
 //     kv_cache[2 * Hkv, L, num_pages, page_size, D]   (float32, or bfloat16 bits as uint16)
 //
 // Work is split into tiles of one sequence, one KV head and up to kRows query rows
-// (row = query token x query head sharing the KV head). For each tile:
-//   1. scores: each K row is read (and widened to float32) once, then dotted with every
-//      row that can see it: 16-lane partial sums over head_dim, then a fixed tree;
+// (row = query token x query head sharing the KV head). For each tile, keys are taken in
+// groups of 16 positions (groups start at multiples of 16), each widened to float32 once
+// into a small buffer that every row of the tile reads:
+//   1. scores: per row, 16 keys' 16-lane partial dot products, summed by a fixed
+//      butterfly (Reduce16);
 //   2. softmax per row over its own positions [lo, pos], exactly (two passes, no online
 //      rescaling);
-//   3. output: every row accumulates p * V over its positions in ascending order.
+//   3. output: p * V accumulated in ascending position order, a few rows at a time with
+//      their accumulators in registers.
 // Each row's arithmetic (the order of every sum) depends only on the row itself, never
 // on the tile or the batch around it, so a token's output is bit-identical however it
 // was batched, whether as a decode or inside a prefill chunk.
@@ -85,21 +88,33 @@ inline float SumLanes(Lanes v) {
   return v2[0] + v2[1];
 }
 
-// exp(x) for x <= 0 (Cephes expf: Cody-Waite reduction + degree-6 polynomial, ~1 ulp).
-// Branch-free, so the compiler vectorizes loops over it.
-inline float ExpNonPositive(float x) {
-  x = std::max(x, -87.0f);
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// Largest lane (exact: a max does not round, so the order is free).
+inline float MaxLanes(Lanes v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// exp(x) lane-wise for x <= 0 (Cephes expf: Cody-Waite reduction + degree-6 polynomial,
+// ~1 ulp), in 16-lane vector arithmetic: every lane is computed by the same operations.
+inline Lanes ExpNonPositive(Lanes x) {
+  const Lanes floor_at = Lanes{} - 87.0f;
+  x = x < floor_at ? floor_at : x;
+  const Lanes y = x * 1.44269504088896341f + 0.5f;
+  const Lanes t = __builtin_convertvector(__builtin_convertvector(y, Ints), Lanes);  // toward zero
+  const Lanes n = t > y ? t - 1.0f : t;                                              // floor
+  const Lanes r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  Lanes p = Lanes{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
+  const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
+  Lanes scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
@@ -121,12 +136,90 @@ struct Tile {
   int32_t seq, kv_head, first_token, num_tokens;  // tokens relative to the sequence's first
 };
 
+// Scores of one row against 16 consecutive keys from their 16-lane partial sums: a fixed
+// butterfly (halves of pairs added lane-wise, 16 -> 8 -> 4 -> 2 -> 1 lanes per key) that
+// leaves key k's sum in lane k. ~3 operations per score where a horizontal sum per key
+// took ~8. Which tree sums a key's lanes depends only on the key's place in its group,
+// and groups start at multiples of 16 positions, so the score is the row's own.
+inline Lanes Reduce16(const Lanes* acc) {
+  // Inputs in bit-reversed order come out in natural order.
+  static constexpr int kRev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  Lanes w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) {
+    const Lanes a = acc[kRev[2 * i]], b = acc[kRev[2 * i + 1]];
+    w[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const Lanes a = w[2 * i], b = w[2 * i + 1];
+    x[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const Lanes a = x[2 * i], b = x[2 * i + 1];
+    y[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  return __builtin_shufflevector(y[0], y[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+// The two inner loops, with a * b + c contracted to fused multiply-adds where the CPU has
+// them. Only explicit 16-lane vector code lives here (no loop the compiler could split
+// into a vector body and a scalar remainder that rounds differently), so every row is
+// still computed the same way wherever it falls.
+#define JAXSERVE_FMA __attribute__((optimize("fp-contract=fast")))
+
+// 16 scores of one row: keys [16][chunks] against the row's scaled query [chunks].
+template <int C>
+JAXSERVE_FMA inline Lanes GroupScores(const Lanes* q, const Lanes* keys, int64_t chunks) {
+  const int64_t n = C > 0 ? C : chunks;
+  Lanes acc[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    const Lanes* k = keys + j * n;
+    Lanes a = q[0] * k[0];
+    for (int64_t c = 1; c < n; ++c) a = q[c] * k[c] + a;
+    acc[j] = a;
+  }
+  return Reduce16(acc);
+}
+
+// acc[r] += sum over the group's 16 keys j, in ascending order, of p[r][j] * V[j], for R
+// rows. A probability of 0 (outside the row's positions) adds an exact zero.
+template <int C, int R>
+JAXSERVE_FMA inline void GroupValues(Lanes* acc, const float* const* p, const Lanes* values, int64_t chunks) {
+  if constexpr (C > 0) {
+    Lanes a[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) a[r][c] = acc[r * C + c];
+    for (int j = 0; j < kLanes; ++j) {
+      const Lanes* v = values + j * C;
+      for (int r = 0; r < R; ++r) {
+        const float pj = p[r][j];
+        for (int c = 0; c < C; ++c) a[r][c] = pj * v[c] + a[r][c];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r * C + c] = a[r][c];
+  } else {  // any head_dim: accumulators stay in memory
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < kLanes; ++j)
+        for (int64_t c = 0; c < chunks; ++c) acc[r * chunks + c] = p[r][j] * values[j * chunks + c] + acc[r * chunks + c];
+  }
+}
+
 // T: the cache's element type. C: head_dim / 16 when the dispatch knows it (1, 2, 4, 8),
 // so a K or V row lives in registers; 0 for any other head_dim (zero-padded chunks).
+//
+// Keys are taken in groups of 16 positions starting at multiples of 16, widened to
+// float32 once per tile into a small buffer; every row of the tile reads them there.
 template <typename T, int C>
 class TileRunner {
  public:
   explicit TileRunner(const Problem& pb) : pb_(pb) {}
+
+  // Rows of a tile summed together in GroupValues (their accumulators fit in registers).
+  static constexpr int kValueRows = C >= 8 ? 2 : C >= 4 ? 4 : 8;
 
   void Run(const Tile& t) {
     const Problem& pb = pb_;
@@ -153,68 +246,80 @@ class TileRunner {
     }
     const int32_t jlo = lo_[0];              // the tile's lowest visible position
     const int32_t jhi = pos_[rows - 1] + 1;  // one past its highest
-    const int64_t width = jhi - jlo;
+    const int32_t base = jlo - jlo % kLanes;  // the first group's first position
+    const int32_t groups = (jhi - base + kLanes - 1) / kLanes;
+    const int64_t width = static_cast<int64_t>(groups) * kLanes;  // scores per row, from base
     scores_.resize(static_cast<size_t>(rows) * width);
-    if constexpr (C == 0) {  // LoadRow's zero-padded buffers
-      k_.resize(chunks);
-      row_.assign(chunks * kLanes, 0.0f);
+    group_.resize(static_cast<size_t>(kLanes) * chunks);
+
+    // Fetch ahead: the pages are scattered, and misses in flight beat one demand miss
+    // after another. The first groups of K and V now; each LoadGroup then asks for the
+    // group kAhead further on.
+    for (int32_t g = 0; g < std::min(groups, kAhead); ++g) {
+      Prefetch(t.seq, t.kv_head, base + g * kLanes, jlo, jhi);
+      Prefetch(t.seq, pb.num_kv_heads + t.kv_head, base + g * kLanes, jlo, jhi);
     }
 
-    // Start fetching every K and V page the tile reads: the pages are scattered, and
-    // many misses in flight beat one demand miss after another.
-    const int64_t page_bytes = pb.page_size * D * static_cast<int64_t>(sizeof(T));
-    for (int32_t page = jlo / pb.page_size; page <= (jhi - 1) / pb.page_size; ++page) {
-      for (int64_t plane : {static_cast<int64_t>(t.kv_head), pb.num_kv_heads + t.kv_head}) {
-        const char* base = reinterpret_cast<const char*>(Page(t.seq, plane, page));
-        for (int64_t byte = 0; byte < page_bytes; byte += 64) __builtin_prefetch(base + byte);
-      }
-    }
-
-    // 1. Scores.
-    Lanes regs[C > 0 ? C : 1];  // the current K or V row, when C is known
-    const T* k = nullptr;
-    for (int32_t j = jlo, off = jlo % pb.page_size; j < jhi; ++j, ++off) {
-      if (k == nullptr || off == pb.page_size) {
-        off = j % pb.page_size;
-        k = Page(t.seq, t.kv_head, j / pb.page_size);
-      }
-      const Lanes* kr = LoadRow(k + off * D, D, regs);
+    // 1. Scores, a group of 16 keys at a time (a row's scores outside [lo, pos] are not read).
+    for (int32_t g = 0; g < groups; ++g) {
+      const int32_t first = base + g * kLanes;
+      LoadGroup(t.seq, t.kv_head, first, jlo, jhi);
       for (int r = 0; r < rows; ++r) {
-        if (j < lo_[r] || j > pos_[r]) continue;
-        const Lanes* q = &qs_[r * chunks];
-        Lanes acc = q[0] * kr[0];
-        for (int64_t c = 1; c < chunks; ++c) acc += q[c] * kr[c];
-        scores_[r * width + (j - jlo)] = SumLanes(acc);
+        if (first > pos_[r] || first + kLanes <= lo_[r]) continue;
+        const Lanes s = GroupScores<C>(&qs_[r * chunks], group_.data(), chunks);
+        std::memcpy(&scores_[r * width + g * kLanes], &s, sizeof s);
       }
     }
 
-    // 2. Softmax per row over its own positions [lo, pos].
+    // 2. Softmax per row over its own positions [lo, pos], exactly (two passes), a group of
+    // 16 at a time: position j is lane j % 16 of the row's partial sums, whatever the tile.
+    // Probabilities outside [lo, pos] are stored as 0, so step 3 adds nothing for them.
     denom_.resize(rows);
+    Ints iota;
+    for (int i = 0; i < kLanes; ++i) iota[i] = i;
+    const Lanes minus_inf = Lanes{} - INFINITY;
     for (int r = 0; r < rows; ++r) {
       float* s = &scores_[r * width];
-      const int32_t a = lo_[r] - jlo, e = pos_[r] - jlo + 1;
-      float m = s[a];
-      for (int32_t j = a + 1; j < e; ++j) m = std::max(m, s[j]);
-      for (int32_t j = a; j < e; ++j) s[j] = ExpNonPositive(s[j] - m);
-      float sum = 0.0f;
-      for (int32_t j = a; j < e; ++j) sum += s[j];
-      denom_[r] = sum;
+      const int32_t g_lo = (lo_[r] - base) / kLanes, g_hi = (pos_[r] - base) / kLanes;
+      Lanes mv = minus_inf;
+      for (int32_t g = g_lo; g <= g_hi; ++g) {
+        const Ints at = iota + (base + g * kLanes);
+        Lanes v;
+        std::memcpy(&v, s + g * kLanes, sizeof v);
+        v = (at >= lo_[r]) & (at <= pos_[r]) ? v : minus_inf;
+        mv = mv > v ? mv : v;
+      }
+      const float m = MaxLanes(mv);
+      Lanes sum{};
+      for (int32_t g = g_lo; g <= g_hi; ++g) {
+        const Ints at = iota + (base + g * kLanes);
+        Lanes v;
+        std::memcpy(&v, s + g * kLanes, sizeof v);
+        v = (at >= lo_[r]) & (at <= pos_[r]) ? ExpNonPositive(v - m) : Lanes{};
+        std::memcpy(s + g * kLanes, &v, sizeof v);
+        sum += v;
+      }
+      denom_[r] = SumLanes(sum);
     }
 
-    // 3. Output: sum of p * V in ascending position order, per row.
-    acc_.assign(static_cast<size_t>(rows) * chunks, Lanes{});
-    const T* v = nullptr;
-    for (int32_t j = jlo, off = jlo % pb.page_size; j < jhi; ++j, ++off) {
-      if (v == nullptr || off == pb.page_size) {
-        off = j % pb.page_size;
-        v = Page(t.seq, pb.num_kv_heads + t.kv_head, j / pb.page_size);
-      }
-      const Lanes* vr = LoadRow(v + off * D, D, regs);
-      for (int r = 0; r < rows; ++r) {
-        if (j < lo_[r] || j > pos_[r]) continue;
-        const float p = scores_[r * width + (j - jlo)];
-        Lanes* acc = &acc_[r * chunks];
-        for (int64_t c = 0; c < chunks; ++c) acc[c] += p * vr[c];
+    // 3. Output: sum of p * V in ascending position order, per row, kValueRows rows at once
+    // (the last block's spare rows have empty key ranges: they add nothing).
+    const int padded_rows = (rows + kValueRows - 1) / kValueRows * kValueRows;
+    acc_.assign(static_cast<size_t>(padded_rows) * chunks, Lanes{});
+    static const float kZeros[kLanes] = {};
+    for (int32_t g = 0; g < groups; ++g) {
+      const int32_t first = base + g * kLanes;
+      LoadGroup(t.seq, pb.num_kv_heads + t.kv_head, first, jlo, jhi);
+      for (int r0 = 0; r0 < rows; r0 += kValueRows) {
+        const float* p[kValueRows];  // each row's 16 probabilities (zeros: none in this group)
+        bool any = false;
+        for (int k = 0; k < kValueRows; ++k) {
+          const int r = r0 + k;
+          const bool sees = r < rows && first <= pos_[r] && first + kLanes > lo_[r];
+          p[k] = sees ? &scores_[r * width + g * kLanes] : kZeros;
+          any |= sees;
+        }
+        if (any) GroupValues<C, kValueRows>(&acc_[r0 * chunks], p, group_.data(), chunks);
       }
     }
     for (int r = 0; r < rows; ++r) {
@@ -236,23 +341,46 @@ class TileRunner {
     return static_cast<const T*>(pb.kv) + row * pb.head_dim;
   }
 
-  // One K or V row as float32 chunks (zero past head_dim).
-  const Lanes* LoadRow(const T* x, int64_t D, Lanes* regs) {
-    if constexpr (C > 0) {
-      for (int c = 0; c < C; ++c) regs[c] = LoadLanes(x + c * kLanes);
-      return regs;
-    } else {
-      for (int64_t d = 0; d < D; ++d) row_[d] = ToFloat(x[d]);
-      std::memcpy(k_.data(), row_.data(), k_.size() * sizeof(Lanes));
-      return k_.data();
+  static constexpr int kAhead = 4;  // groups fetched ahead of the one being read
+
+  void Prefetch(int32_t seq, int64_t plane, int32_t first, int32_t jlo, int32_t jhi) const {
+    const Problem& pb = pb_;
+    const int64_t row_bytes = pb.head_dim * static_cast<int64_t>(sizeof(T));
+    for (int32_t position = std::max(first, jlo); position < std::min(first + kLanes, jhi); ++position) {
+      const char* row = reinterpret_cast<const char*>(Page(seq, plane, position / pb.page_size) +
+                                                      (position % pb.page_size) * pb.head_dim);
+      for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(row + byte);
     }
   }
 
+  // K or V rows of positions [first, first + 16) as float32 chunks into group_; rows
+  // outside [jlo, jhi) (not this tile's to read) and lanes past head_dim are zero.
+  void LoadGroup(int32_t seq, int64_t plane, int32_t first, int32_t jlo, int32_t jhi) {
+    const Problem& pb = pb_;
+    const int64_t D = pb.head_dim;
+    Prefetch(seq, plane, first + kAhead * kLanes, jlo, jhi);
+    const int64_t chunks = C > 0 ? C : (D + kLanes - 1) / kLanes;
+    for (int j = 0; j < kLanes; ++j) {
+      Lanes* dst = &group_[j * chunks];
+      const int32_t position = first + j;
+      if (position < jlo || position >= jhi) {
+        for (int64_t c = 0; c < chunks; ++c) dst[c] = Lanes{};
+        continue;
+      }
+      const T* x = Page(seq, plane, position / pb.page_size) + (position % pb.page_size) * D;
+      if constexpr (C > 0) {
+        for (int c = 0; c < C; ++c) dst[c] = LoadLanes(x + c * kLanes);
+      } else {
+        float* f = reinterpret_cast<float*>(dst);
+        for (int64_t d = 0; d < chunks * kLanes; ++d) f[d] = d < D ? ToFloat(x[d]) : 0.0f;
+      }
+    }
+  }
 
   const Problem& pb_;
   std::vector<int32_t> pos_, lo_;
-  std::vector<Lanes> qs_, k_, acc_;  // [rows, chunks], [chunks] (C == 0 only), [rows, chunks]
-  std::vector<float> scores_, row_, denom_;
+  std::vector<Lanes> qs_, group_, acc_;  // [rows, chunks], [16, chunks], [rows, chunks]
+  std::vector<float> scores_, denom_;
 };
 
 // One call's tiles, shared by the threads of XLA's intra-op pool that work on them. Held by
