@@ -86,9 +86,13 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
     mcfg = ckpt.config
     tokenizer = ckpt.tokenizer()
     plan = resolve_plan(cfg, mcfg)
-    check_memory(plan, weight_bytes(mcfg, plan.dtype, plan.weight_dtype), device_free_bytes(jax.local_devices()[0]))
+    packed = plan.matmul == "onednn"
+    weights = weight_bytes(mcfg, plan.dtype, plan.weight_dtype, packed=packed)
+    check_memory(plan, weights, device_free_bytes(jax.local_devices()[0]))
     kv = KVManager(plan.num_pages, cfg.page_size, cfg.enable_prefix_caching, cfg.prefix_match)
-    model = load_model(ckpt, plan.dtype, progress=progress, mesh=plan.mesh, weight_dtype=plan.weight_dtype)
+    model = load_model(
+        ckpt, plan.dtype, progress=progress, mesh=plan.mesh, weight_dtype=plan.weight_dtype, packed=packed
+    )
     eos = set(mcfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     scheduler = Scheduler(
         kv,

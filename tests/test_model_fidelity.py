@@ -9,7 +9,10 @@ import torch
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.runner.batch import ScheduledSeq
+from pallas_kernels import cpu_matmul
 from tests.conftest import TINY_ARCHS, rng_tokens
+
+needs_onednn = pytest.mark.skipif(not cpu_matmul.available(), reason="oneDNN matmul unavailable here")
 
 
 def _llm(path, **kw) -> LLM:
@@ -73,14 +76,19 @@ def test_greedy_continuation_matches_transformers(tiny_model_dir, arch):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", [None, "bfloat16"])
-def test_bfloat16_weights_with_float32_activations(tiny_model_dir, kv_cache_dtype):
+@pytest.mark.parametrize("matmul_backend", ["xla", pytest.param("onednn", marks=needs_onednn)])
+def test_bfloat16_weights_with_float32_activations(tiny_model_dir, kv_cache_dtype, matmul_backend):
     """weight_dtype: layer matmul weights narrow; embedding, norms and activations stay
     float32; the KV cache too unless kv_cache_dtype narrows it."""
     path, hf = tiny_model_dir("llama")
-    llm = _llm(path, weight_dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
+    llm = _llm(path, weight_dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, matmul_backend=matmul_backend)
+    assert llm.plan.matmul == matmul_backend
     layers = llm.runner.state["layers"]
-    # stored as bfloat16 bit patterns (see jaxserve.models.llama.weight)
-    assert layers["q_proj"][...].dtype == jnp.uint16 and llm.runner.state["embed"][...].dtype == jnp.float32
+    if matmul_backend == "xla":  # stored as bfloat16 bit patterns (see jaxserve.models.llama.weight)
+        assert layers["q_proj"][...].dtype == jnp.uint16
+    else:  # q, k, v fused and packed in oneDNN's layout, one [L, bytes] stack
+        assert layers["qkv_proj"][...].dtype == jnp.uint8 and "q_proj" not in layers
+    assert llm.runner.state["embed"][...].dtype == jnp.float32
     # a bfloat16 cache is held as its bits too (reference.storage_dtype)
     kv_dtype = jnp.uint16 if kv_cache_dtype else jnp.float32
     assert layers["input_norm"][...].dtype == jnp.float32 and llm.runner.kv_cache.dtype == kv_dtype

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.attention import REFERENCE, AttentionBackend, AttentionMetadata
 from jaxserve.models.config import ModelConfig, rope_inv_freq
 from jaxserve.parallel import MODEL
+from pallas_kernels import cpu_matmul
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float = 0.02) -> nnx.Param:
@@ -67,18 +68,65 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-class DecoderLayer(nnx.Module):
-    """One pre-norm block: attention then SwiGLU MLP, each with a residual."""
+def matmul_shapes(cfg: ModelConfig, packed: bool = False) -> dict[str, tuple[int, int]]:
+    """``[in, out]`` of each decoder layer's linear weight. Packed (oneDNN) layers fuse the
+    weights that read the same input: ``qkv_proj`` is ``[q | k | v]`` and ``gate_up_proj``
+    ``[gate | up]`` by output columns (4 kernel calls per layer instead of 7)."""
+    e, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    hq, hkv = cfg.num_heads, cfg.num_kv_heads
+    if packed:
+        return {
+            "qkv_proj": (e, (hq + 2 * hkv) * d),
+            "o_proj": (hq * d, e),
+            "gate_up_proj": (e, 2 * f),
+            "down_proj": (f, e),
+        }
+    return {
+        "q_proj": (e, hq * d),
+        "k_proj": (e, hkv * d),
+        "v_proj": (e, hkv * d),
+        "o_proj": (hq * d, e),
+        "gate_proj": (e, f),
+        "up_proj": (e, f),
+        "down_proj": (f, e),
+    }
 
-    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs, weight_dtype: str | None = None):
+
+PACKED_HEAD_ROWS = 8  # rows the packed LM head is always given (see LlamaForCausalLM)
+
+# The weights each packed one concatenates by output columns, in order.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def is_packed(path, variable) -> bool:
+    """nnx filter: linear weights packed for oneDNN (uint8 bytes; ``cpu_matmul``)."""
+    return getattr(variable, "dtype", None) == jnp.uint8
+
+
+class DecoderLayer(nnx.Module):
+    """One pre-norm block: attention then SwiGLU MLP, each with a residual.
+
+    ``packed`` (CPU, ``matmul_backend: onednn``): the linear weights (fused: see
+    ``matmul_shapes``) are in oneDNN's layout (``pallas_kernels.cpu_matmul``) as uint8
+    bytes, of dtype ``packed``. Such a weight is never sliced per layer: the layer scan
+    hands the block the whole ``[L, bytes]`` stack and the kernel reads layer ``layer``'s
+    bytes in place.
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs, weight_dtype: str | None = None, packed: str | None = None
+    ):
         self.weight_dtype = weight_dtype  # static: see weight()
-        e, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        self.packed = packed
+        self.shapes = matmul_shapes(cfg, packed is not None)
+        e, d = cfg.hidden_size, cfg.head_dim
         hq, hkv = cfg.num_heads, cfg.num_kv_heads
+        for name, (k, n) in self.shapes.items():
+            if packed is None:
+                setattr(self, name, _param(rngs, (k, n), dtype))
+            else:
+                setattr(self, name, nnx.Param(jnp.zeros((cpu_matmul.packed_bytes(k, n, packed),), jnp.uint8)))
         self.input_norm = nnx.Param(jnp.ones((e,), dtype))
-        self.q_proj = _param(rngs, (e, hq * d), dtype)
-        self.k_proj = _param(rngs, (e, hkv * d), dtype)
-        self.v_proj = _param(rngs, (e, hkv * d), dtype)
-        self.o_proj = _param(rngs, (hq * d, e), dtype)
         if cfg.attention_bias:
             self.q_bias = nnx.Param(jnp.zeros((hq * d,), dtype))
             self.k_bias = nnx.Param(jnp.zeros((hkv * d,), dtype))
@@ -87,10 +135,21 @@ class DecoderLayer(nnx.Module):
             self.q_norm = nnx.Param(jnp.ones((d,), dtype))
             self.k_norm = nnx.Param(jnp.ones((d,), dtype))
         self.post_attention_norm = nnx.Param(jnp.ones((e,), dtype))
-        self.gate_proj = _param(rngs, (e, f), dtype)
-        self.up_proj = _param(rngs, (e, f), dtype)
-        self.down_proj = _param(rngs, (f, e), dtype)
         self.cfg = cfg
+
+    def linear(self, x: jax.Array, name: str, layer: jax.Array) -> jax.Array:
+        w = getattr(self, name)[...]
+        if self.packed is None:
+            return linear(x, w, self.weight_dtype)
+        return cpu_matmul.matmul(x, w, layer, self.shapes[name][1], self.packed).astype(x.dtype)
+
+    def projections(self, x: jax.Array, fused: str, layer: jax.Array) -> list[jax.Array]:
+        """The outputs of the weights ``fused`` stands for (one kernel call when packed)."""
+        names = FUSED[fused]
+        if self.packed is None:
+            return [self.linear(x, name, layer) for name in names]
+        widths = [matmul_shapes(self.cfg)[name][1] for name in names]
+        return jnp.split(self.linear(x, fused, layer), np.cumsum(widths)[:-1].tolist(), axis=-1)
 
     def __call__(
         self,
@@ -108,8 +167,7 @@ class DecoderLayer(nnx.Module):
         eps = cfg.rms_norm_eps
         with jax.named_scope("attention"):
             h = rms_norm(x, self.input_norm[...], eps)
-            wd = self.weight_dtype
-            q, k, v = linear(h, self.q_proj[...], wd), linear(h, self.k_proj[...], wd), linear(h, self.v_proj[...], wd)
+            q, k, v = self.projections(h, "qkv_proj", layer)
             if cfg.attention_bias:
                 q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
             q = q.reshape(t, cfg.num_heads, cfg.head_dim)
@@ -121,22 +179,29 @@ class DecoderLayer(nnx.Module):
             o, kv_cache = backend.write_and_attend(
                 q, k, v, kv_cache, layer, md, sliding_window, sm_scale=cfg.head_dim**-0.5
             )
-            x = x + linear(o.reshape(t, -1), self.o_proj[...], wd)
+            x = x + self.linear(o.reshape(t, -1), "o_proj", layer)
         with jax.named_scope("mlp"):
             h = rms_norm(x, self.post_attention_norm[...], eps)
-            x = x + linear(
-                jax.nn.silu(linear(h, self.gate_proj[...], wd)) * linear(h, self.up_proj[...], wd),
-                self.down_proj[...],
-                wd,
-            )
+            gate, up = self.projections(h, "gate_up_proj", layer)
+            gated = jax.nn.silu(gate) * up
+            x = x + self.linear(gated, "down_proj", layer)
         return x, kv_cache
 
 
 class LlamaForCausalLM(nnx.Module):
     """Embedding, ``num_layers`` stacked decoder layers, final norm and LM head."""
 
-    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs, weight_dtype: str | None = None):
-        """``weight_dtype``: set when matmul weights are stored as 16-bit patterns (weight())."""
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype=jnp.float32,
+        *,
+        rngs: nnx.Rngs,
+        weight_dtype: str | None = None,
+        packed: str | None = None,
+    ):
+        """``weight_dtype``: set when matmul weights are stored as 16-bit patterns (weight());
+        ``packed``: the dtype of layer weights packed for oneDNN (DecoderLayer), or None."""
         self.weight_dtype = weight_dtype
         self.cfg = cfg
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
@@ -144,7 +209,7 @@ class LlamaForCausalLM(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(cfg, dtype, rngs=rngs, weight_dtype=weight_dtype)
+            return DecoderLayer(cfg, dtype, rngs=rngs, weight_dtype=weight_dtype, packed=packed)
 
         self.layers = make_layers(rngs)
         self.norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
@@ -153,7 +218,11 @@ class LlamaForCausalLM(nnx.Module):
         # widening, and a bitcast of a whole parameter is a copy). On an AMX CPU a [32,
         # 576] x [576, 49152] head runs 2.6x faster so (3.0 against 7.7 ms) than a float32
         # x @ embed.T; the lookup keeps the float32 table.
-        if not cfg.tie_word_embeddings or weight_dtype is not None:
+        self.packed = packed
+        if packed is not None:  # oneDNN's layout, as a one-"layer" stack
+            nbytes = cpu_matmul.packed_bytes(cfg.hidden_size, cfg.vocab_size, packed)
+            self.lm_head = nnx.Param(jnp.zeros((1, nbytes), jnp.uint8))
+        elif not cfg.tie_word_embeddings or weight_dtype is not None:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), weight_dtype or dtype)
 
     def __call__(
@@ -168,12 +237,13 @@ class LlamaForCausalLM(nnx.Module):
         emb = jnp.concatenate([freqs, freqs], axis=-1)
         cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
 
-        graphdef, layer_state = nnx.split(self.layers)
+        # Packed weights stay whole (the kernel indexes them by layer); the rest is sliced.
+        graphdef, packed, layer_state = nnx.split(self.layers, is_packed, ...)
 
         def body(carry, xs):
             h, cache = carry
             state, layer, window = xs
-            block = nnx.merge(graphdef, state)
+            block = nnx.merge(graphdef, packed, state)
             h, cache = block(h, cache, layer, window, cos, sin, md, backend)
             return (h, cache), None
 
@@ -182,8 +252,14 @@ class LlamaForCausalLM(nnx.Module):
         (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layer_state, layer_ids, windows))
         x = x[md.logits_indices]
         x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
-        head = self.lm_head[...] if hasattr(self, "lm_head") else embed.T
-        logits = dot(x, head)
+        if self.packed is not None:
+            # At least 8 rows: oneDNN's kernel for a [K, 24576] slice changes between 4
+            # and 5 rows, and a row's logits must not depend on how many share the step.
+            rows = x.shape[0]
+            x = jnp.pad(x, ((0, max(0, PACKED_HEAD_ROWS - rows)), (0, 0)))
+            logits = cpu_matmul.matmul(x, self.lm_head[...], 0, cfg.vocab_size, self.packed)[:rows]
+        else:
+            logits = dot(x, self.lm_head[...] if hasattr(self, "lm_head") else embed.T)
         if backend.mesh is not None:
             # Each device computes the logits of its vocabulary shard. Left to itself, GSPMD
             # all-gathers the whole LM head (1 GB for Llama-3-8B) every step instead.

@@ -21,8 +21,9 @@ from tqdm.auto import tqdm
 from jaxserve.errors import ModelLoadError
 from jaxserve.models.checkpoint import Checkpoint
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models.llama import FUSED, LlamaForCausalLM, matmul_shapes
 from jaxserve.parallel import MODEL, check_divisible, param_sharding, replicate_kv_heads
+from pallas_kernels import cpu_matmul
 
 # Our parameter (under `layers`) -> (Hugging Face name under model.layers.N., transpose).
 _LAYER_PARAMS = {
@@ -68,13 +69,13 @@ def _convert(w: np.ndarray, transpose: bool, shape: tuple[int, ...], dtype, name
 
 
 def abstract_model(
-    cfg: ModelConfig, dtype: str = "float32", weight_dtype: str | None = None, model_axis: int = 1
+    cfg: ModelConfig, dtype: str = "float32", weight_dtype: str | None = None, model_axis: int = 1, packed: bool = False
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """The model's structure with abstract parameters (shapes and dtypes, no memory).
 
     Returns the config as the cache holds it (KV heads replicated up to ``model_axis``)
     and the abstract model. Matmul weights narrower than the activations are held as
-    16-bit patterns (``llama.weight``).
+    16-bit patterns (``llama.weight``); with ``packed``, in oneDNN's layout (``cpu_matmul``).
 
     Raises:
         ModelLoadError: a bad dtype, or a model the ``model`` axis does not divide.
@@ -91,14 +92,22 @@ def abstract_model(
     jdtype, wdtype = DTYPES[dtype], DTYPES[weight_dtype]
     as_bits = jnp.dtype(wdtype) != jnp.dtype(jdtype) and jnp.dtype(wdtype).itemsize == 2
     model = nnx.eval_shape(
-        lambda: LlamaForCausalLM(cfg, jdtype, rngs=nnx.Rngs(0), weight_dtype=weight_dtype if as_bits else None)
+        lambda: LlamaForCausalLM(
+            cfg,
+            jdtype,
+            rngs=nnx.Rngs(0),
+            weight_dtype=weight_dtype if as_bits else None,
+            packed=weight_dtype if packed else None,
+        )
     )
     return cfg, model
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str = "float32", weight_dtype: str | None = None) -> int:
+def weight_bytes(
+    cfg: ModelConfig, dtype: str = "float32", weight_dtype: str | None = None, packed: bool = False
+) -> int:
     """Bytes of the model's parameters as loaded (all devices together), from shapes only."""
-    _, model = abstract_model(cfg, dtype, weight_dtype)
+    _, model = abstract_model(cfg, dtype, weight_dtype, packed=packed)
     leaves = jax.tree_util.tree_leaves(nnx.state(model))
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
@@ -109,6 +118,7 @@ def load_model(
     progress: bool = True,
     mesh: Mesh | None = None,
     weight_dtype: str | None = None,
+    packed: bool = False,
 ) -> LlamaForCausalLM:
     """Builds the model described by ``ckpt`` and loads its weights in ``dtype``.
 
@@ -116,13 +126,18 @@ def load_model(
     each device receives only its slice. KV heads fewer than the ``model`` axis are
     replicated first, and the returned model's config counts the replicated heads.
 
-    ``weight_dtype`` (default: ``dtype``) stores the decoder layers' linear kernels;
-    the embedding, LM head, norms and biases keep ``dtype``, the activation dtype.
+    ``weight_dtype`` (default: ``dtype``) stores the decoder layers' linear kernels and
+    the LM head; the embedding table, norms and biases keep ``dtype``, the activation
+    dtype. ``packed`` (one CPU device): the layers' kernels go in oneDNN's layout.
 
     Raises:
         ModelLoadError: a bad checkpoint, dtype, or a model the mesh does not divide.
     """
-    cfg, abstract = abstract_model(ckpt.config, dtype, weight_dtype, mesh.shape[MODEL] if mesh is not None else 1)
+    if packed and mesh is not None:
+        raise ModelLoadError("packed (oneDNN) weights are for one CPU device, not a mesh")
+    cfg, abstract = abstract_model(
+        ckpt.config, dtype, weight_dtype, mesh.shape[MODEL] if mesh is not None else 1, packed=packed
+    )
     kv_factor = cfg.num_kv_heads // ckpt.config.num_kv_heads
     orig_kv_heads = ckpt.config.num_kv_heads
     act_np = np.dtype(DTYPES[dtype])
@@ -140,9 +155,8 @@ def load_model(
     shapes = nnx.to_pure_dict(state)
     params: dict = {"layers": {}}
     names = set(ckpt.tensor_names())
-    total = (
-        sum(k in shapes for k in _GLOBAL_PARAMS) + sum(k in shapes["layers"] for k in _LAYER_PARAMS) * cfg.num_layers
-    )
+    per_layer = sum(k in shapes["layers"] or (packed and k in MATMUL_PARAMS) for k in _LAYER_PARAMS)
+    total = sum(k in shapes for k in _GLOBAL_PARAMS) + per_layer * cfg.num_layers
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for ours, (hf_name, transpose) in _GLOBAL_PARAMS.items():
         if ours not in shapes:
@@ -153,10 +167,14 @@ def load_model(
             hf_name = _GLOBAL_PARAMS["embed"][0]  # tied, held apart in weight_dtype: embed.T
         shape = tuple(shapes[ours].shape)
         np_dtype = weight_np if ours in MATMUL_PARAMS or ours == "lm_head" else act_np
-        params[ours] = put(ours, _convert(ckpt.read(hf_name), transpose, shape, np_dtype, hf_name))
+        if ours == "lm_head" and packed:
+            w = _convert(ckpt.read(hf_name), transpose, (cfg.hidden_size, cfg.vocab_size), np_dtype, hf_name)
+            params[ours] = jax.device_put(cpu_matmul.pack(w)[None])
+        else:
+            params[ours] = put(ours, _convert(ckpt.read(hf_name), transpose, shape, np_dtype, hf_name))
         bar.update()
     for ours, (suffix, transpose) in _LAYER_PARAMS.items():
-        if ours not in shapes["layers"]:
+        if ours not in shapes["layers"] or (packed and ours in MATMUL_PARAMS):
             continue
         shape = tuple(shapes["layers"][ours].shape)
         per_head_kv = ours in _KV_PARAMS and kv_factor > 1
@@ -169,6 +187,19 @@ def load_model(
             stacked[i] = replicate_kv_heads(w, orig_kv_heads, kv_factor) if per_head_kv else w
             bar.update()
         params["layers"][ours] = put(ours, stacked)
+    if packed:  # one device: no KV-head replication
+        plain = matmul_shapes(cfg)
+        for ours in matmul_shapes(cfg, packed=True):
+            stacked = np.empty(tuple(shapes["layers"][ours].shape), np.uint8)
+            for i in range(cfg.num_layers):
+                parts = []
+                for name in FUSED.get(ours, (ours,)):
+                    suffix, transpose = _LAYER_PARAMS[name]
+                    hf_name = f"model.layers.{i}.{suffix}"
+                    parts.append(_convert(ckpt.read(hf_name), transpose, plain[name], weight_np, hf_name))
+                    bar.update()
+                stacked[i] = cpu_matmul.pack(np.concatenate(parts, axis=1))
+            params["layers"][ours] = jax.device_put(stacked)
     bar.close()
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)

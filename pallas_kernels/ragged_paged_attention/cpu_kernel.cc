@@ -25,15 +25,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "pallas_kernels/cpu_threads.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -383,29 +382,19 @@ class TileRunner {
   std::vector<float> scores_, denom_;
 };
 
-// One call's tiles, shared by the threads of XLA's intra-op pool that work on them. Held by
-// a shared_ptr: a helper that starts after the last tile was taken still finds it alive.
+// One call's tiles, shared by the threads that work on them.
 struct Work {
   Problem pb;
   std::vector<Tile> tiles;
   bool bits = false;
   std::atomic<size_t> next{0};  // the next tile to take
-  std::mutex mu;
-  std::condition_variable all_done;
-  size_t done = 0;  // tiles finished, under mu
 };
 
 // Runs tiles until none is left. Which thread runs a tile never changes its result.
 template <typename T, int C>
 void DrainOf(Work& work) {
   TileRunner<T, C> runner(work.pb);
-  size_t finished = 0;
-  for (size_t i; (i = work.next.fetch_add(1)) < work.tiles.size(); ++finished) runner.Run(work.tiles[i]);
-  if (finished > 0) {
-    std::lock_guard<std::mutex> lock(work.mu);
-    work.done += finished;
-    if (work.done == work.tiles.size()) work.all_done.notify_all();
-  }
+  for (size_t i; (i = work.next.fetch_add(1)) < work.tiles.size();) runner.Run(work.tiles[i]);
 }
 
 template <typename T>
@@ -421,7 +410,7 @@ void DrainAs(Work& work) {
 
 void Drain(Work& work) { work.bits ? DrainAs<uint16_t>(work) : DrainAs<float>(work); }
 
-ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> layer,
+ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> layer,
                   ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
                   ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> window, float sm_scale,
                   ffi::ResultBuffer<ffi::F32> out) {
@@ -434,7 +423,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   if (!bits && kv_cache.element_type() != ffi::DataType::F32) {
     return ffi::Error::InvalidArgument("kv_cache must be float32 or uint16 (bfloat16 bits)");
   }
-  auto work = std::make_shared<Work>();
+  auto work = std::make_unique<Work>();
   work->bits = bits;
   Problem& pb = work->pb;
   pb.q = q.typed_data();
@@ -498,20 +487,19 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
       }
     }
   }
-  // This thread and up to all of XLA's intra-op threads take tiles until none is left.
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(tiles.size()) - 1);
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { Drain(*work); });
-  Drain(*work);
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->all_done.wait(lock, [&] { return work->done == work->tiles.size(); });
+  // This thread and the pool's helpers take tiles until none is left.
+  jaxserve::SpinPool& threads = jaxserve::SpinPool::Get();
+  threads.Run(static_cast<int>(std::min<size_t>(threads.threads(), tiles.size())), [&](int) { Drain(*work); });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
+// The threads every CPU kernel of the library splits its work over (cpu_threads.h).
+extern "C" int JaxserveThreads() { return jaxserve::SpinPool::Get().threads(); }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attend,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
                                   .Arg<ffi::AnyBuffer>()          // kv_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer

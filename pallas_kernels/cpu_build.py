@@ -1,0 +1,153 @@
+"""Builds the project's C++ CPU kernels on first use and registers them with XLA's FFI.
+
+One shared library holds every CPU kernel, so they share one set of worker threads
+(``cpu_threads.h``): the ragged paged attention kernel always, and the oneDNN matmul
+(``cpu_matmul.cc``) where oneDNN's PyPI build is installed (x86-64 Linux). It is compiled
+with the machine's C++ compiler (``$CXX`` or ``c++``; ``-O3 -march=native``) against the
+FFI headers jaxlib ships, and cached under ``~/.cache/jaxserve/kernels`` keyed by the
+sources, the compiler and its flags, jaxlib's and oneDNN's versions and the CPU's
+feature flags: a library built for one CPU never loads on another.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import metadata
+
+import jax
+import jaxlib
+
+# -ffp-contract=off: no fused multiply-adds unless a kernel asks for them where it is safe,
+# so a vectorized loop and its scalar remainder round alike.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c++17")
+
+
+class BuildError(Exception):
+    """The kernel could not be compiled or loaded; the message says why."""
+
+
+def cache_dir() -> pathlib.Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(root) / "jaxserve" / "kernels"
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags line (``/proc/cpuinfo``), or what ``platform`` knows."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+ROOT = pathlib.Path(__file__).parent
+ATTENTION = ROOT / "ragged_paged_attention" / "cpu_kernel.cc"
+MATMUL = ROOT / "cpu_matmul.cc"
+_ONEDNN_RUNTIME, _ONEDNN_HEADERS = "onednn-cpu-gomp", "onednn-devel-cpu-gomp"
+
+
+def build(sources: tuple[pathlib.Path, ...], name: str, extra: tuple[str, ...] = (), key_parts: tuple[str, ...] = ()):
+    """Compiles ``sources`` into one shared library (or finds it cached) and loads it.
+
+    ``extra``: more compiler and linker arguments (include and library paths, ``-l``);
+    ``key_parts``: anything else the library depends on (a library version).
+
+    Raises:
+        BuildError: no compiler, a failed compile, or a library that does not load.
+    """
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        raise BuildError("no C++ compiler found (set $CXX or install g++)")
+    key = hashlib.sha256()
+    headers = sorted(ROOT.glob("*.h"))
+    parts = (*(p.read_bytes() for p in (*sources, *headers)), " ".join([compiler, *FLAGS, *extra]))
+    for part in (*parts, jaxlib.__version__, cpu_flags(), *key_parts):
+        key.update(part if isinstance(part, bytes) else part.encode())
+    library = cache_dir() / f"{name}_{key.hexdigest()[:16]}.so"
+    try:
+        if not library.exists():
+            library.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+                out = pathlib.Path(tmp) / library.name
+                includes = (f"-I{jax.ffi.include_dir()}", f"-I{ROOT.parent}")
+                cmd = [compiler, *FLAGS, "-shared", "-fPIC", *includes, *map(str, sources), "-o", str(out)]
+                proc = subprocess.run([*cmd, *extra, "-pthread"], capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise BuildError(
+                        f"compiling {', '.join(p.name for p in sources)} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}"
+                    )
+                os.replace(out, library)  # atomic: concurrent builders both end with a whole file
+        return ctypes.cdll.LoadLibrary(str(library))
+    except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, unloadable library...
+        raise BuildError(f"{type(e).__name__}: {e}") from None
+
+
+def register(lib, symbol: str, target: str) -> None:
+    """Registers the library's FFI handler ``symbol`` as XLA CPU custom call ``target``."""
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+
+
+def onednn() -> tuple[pathlib.Path, pathlib.Path, str]:
+    """(include dir, libdnnl.so path, version) of the installed oneDNN wheels.
+
+    Raises:
+        BuildError: not on x86-64 Linux, or the wheels are not installed.
+    """
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        raise BuildError(f"oneDNN's PyPI build is for x86-64 Linux, not {platform.system()} {platform.machine()}")
+    try:
+        headers = next(f for f in metadata.files(_ONEDNN_HEADERS) or () if str(f).endswith("oneapi/dnnl/dnnl.hpp"))
+        runtime = metadata.files(_ONEDNN_RUNTIME) or ()
+        library = next(f for f in runtime if pathlib.PurePath(f).name.startswith("libdnnl.so."))
+    except (metadata.PackageNotFoundError, StopIteration):
+        raise BuildError(f"oneDNN is not installed (pip install {_ONEDNN_RUNTIME} {_ONEDNN_HEADERS})") from None
+    include = pathlib.Path(headers.locate()).parents[2]  # .../include/oneapi/dnnl/dnnl.hpp
+    return include, pathlib.Path(library.locate()), metadata.version(_ONEDNN_RUNTIME)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The loaded library (None: not built) and why a kernel is missing ("" if present)."""
+
+    lib: ctypes.CDLL | None
+    attention_error: str
+    matmul_error: str
+
+
+@functools.cache
+def kernels() -> Kernels:
+    """Builds (once per process) the library with every kernel this machine can have and
+    registers their FFI targets: ``jaxserve_ragged_paged_attention`` and, with oneDNN,
+    ``jaxserve_matmul``. A matmul that fails to build leaves the attention kernel alone."""
+    try:
+        include, library, version = onednn()
+        extra = (f"-I{include}", str(library), f"-Wl,-rpath,{library.parent}", "-fopenmp")
+        lib = build((ATTENTION, MATMUL), "cpu_kernels_onednn", extra, key_parts=(version,))
+        matmul_error = ""
+    except BuildError as e:
+        matmul_error = str(e)
+        try:
+            lib = build((ATTENTION,), "cpu_kernels")
+        except BuildError as e2:
+            return Kernels(None, str(e2), matmul_error)
+    register(lib, "JaxserveRaggedPagedAttention", "jaxserve_ragged_paged_attention")
+    if not matmul_error:
+        register(lib, "JaxserveMatmul", "jaxserve_matmul")
+    return Kernels(lib, "", matmul_error)
+
+
+def threads() -> int:
+    """Threads the kernels split their work over (the process's cores); 1 without the library."""
+    lib = kernels().lib
+    return int(lib.JaxserveThreads()) if lib is not None else 1

@@ -1,0 +1,88 @@
+"""The oneDNN matmul (``pallas_kernels.cpu_matmul``): values against XLA's dot, a row
+independent of the rows beside it, and bad inputs refused by name."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.errors import ConfigError
+from jaxserve.plan import resolve_matmul
+from pallas_kernels import cpu_matmul
+
+pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="oneDNN matmul unavailable here")
+
+# SmolLM2's layer shapes (fused q|k|v, o, gate|up, down), a tiny test model's, and its head.
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (64, 96), (96, 64), (576, 49152)]
+ROWS = (8, 9, 16, 32, 64, 100, 512)
+
+
+def _weight(k: int, n: int, dtype, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((k, n)) * 0.05).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32])
+@pytest.mark.parametrize("k, n", SHAPES[:4])
+def test_matches_xla_dot(k, n, dtype):
+    w = _weight(k, n, dtype)
+    packed = jnp.asarray(np.stack([_weight(k, n, dtype, seed=9), w]).astype(dtype))  # layer 1 is w
+    stack = jnp.asarray(np.stack([cpu_matmul.pack(np.asarray(x)) for x in packed]))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((24, k)), jnp.float32)
+    got = np.asarray(cpu_matmul.matmul(x, stack, 1, n, dtype))
+    want = np.asarray(jnp.dot(x.astype(dtype), jnp.asarray(w), preferred_element_type=jnp.float32))
+    assert got.shape == (24, n) and got.dtype == np.float32
+    tol = 1e-2 if dtype is ml_dtypes.bfloat16 else 1e-4  # accumulation order differs
+    np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("k, n", SHAPES)
+def test_a_row_does_not_depend_on_the_rows_beside_it(k, n):
+    """The same input row inside calls of 8 to 512 rows gives the same bits: the packed
+    layout fixes the order of every sum (the head pads to 8 rows; see llama.py)."""
+    stack = jnp.asarray(cpu_matmul.pack(_weight(k, n, ml_dtypes.bfloat16))[None])
+    rng = np.random.default_rng(2)
+    row = rng.standard_normal(k).astype(np.float32)
+    f = jax.jit(lambda x: cpu_matmul.matmul(x, stack, 0, n, "bfloat16"))
+    outs = []
+    for m in ROWS if n < 10_000 else ROWS[:-1]:
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[m // 2] = row
+        outs.append(np.asarray(f(jnp.asarray(x)))[m // 2])
+    for other in outs[1:]:
+        np.testing.assert_array_equal(outs[0], other)
+
+
+def test_bad_inputs_are_refused_by_name():
+    w = _weight(64, 96, ml_dtypes.bfloat16)
+    stack = jnp.asarray(cpu_matmul.pack(w)[None])
+    x = jnp.ones((8, 64), jnp.float32)
+    with pytest.raises(ValueError, match="packed weights are one of float32, bfloat16, not float16"):
+        cpu_matmul.pack(w.astype(np.float16))
+    with pytest.raises(ValueError, match=r"\[K, N\]"):
+        cpu_matmul.pack(np.ones((2, 3, 4), np.float32))
+    with pytest.raises(Exception, match="bytes per layer"):  # a weight packed for another shape
+        np.asarray(cpu_matmul.matmul(x, stack, 0, 960, "bfloat16"))
+    with pytest.raises(Exception, match="layer 3 is not in packed"):
+        np.asarray(cpu_matmul.matmul(x, stack, 3, 96, "bfloat16"))
+
+
+def test_matmul_backend_option():
+    """onednn where it cannot run is one error naming the option; auto falls back."""
+    assert resolve_matmul("xla", "bfloat16", "cpu", sharded=False) == "xla"
+    assert resolve_matmul("onednn", "bfloat16", "cpu", sharded=False) == "onednn"
+    assert resolve_matmul("auto", "float32", "cpu", sharded=False) == "xla"  # float32 stays exact on XLA
+    assert resolve_matmul("auto", "bfloat16", "cpu", sharded=True) == "xla"
+    for args, why in (
+        (("bfloat16", "tpu"), "it runs on the CPU only"),
+        (("float16", "cpu"), "weight_dtype 'float16' is not one of float32, bfloat16"),
+    ):
+        with pytest.raises(ConfigError, match=f"matmul_backend 'onednn': {why}"):
+            resolve_matmul("onednn", *args, sharded=False)
+    with pytest.raises(ConfigError, match="one CPU device, not a mesh"):
+        resolve_matmul("onednn", "bfloat16", "cpu", sharded=True)
+    with pytest.raises(ConfigError, match="matmul_backend"):
+        EngineConfig(matmul_backend="mkl")
