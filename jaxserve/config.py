@@ -159,9 +159,10 @@ class EngineConfig:
     attention_interpret: bool = option(False, "Pallas kernels in interpret mode (CPU testing; slow).")
     matmul_backend: str = option(
         "auto",
-        "The decoder layers' linear layers. xla: XLA's dots. onednn: oneDNN with weights packed at load "
-        "(one CPU device, x86-64 Linux; ~2x XLA's dots at decode batch sizes on AMX CPUs). auto: onednn for "
-        "bfloat16 weights on one CPU device with bfloat16 units where oneDNN builds, else xla.",
+        "The decoder layers' linear layers and the LM head. xla: XLA's dots. onednn: oneDNN with weights "
+        "packed at load (one CPU device, x86-64 Linux with AVX-512; 2-4x XLA's dots at decode batch sizes "
+        "on an AMX CPU). auto: onednn on one CPU device where it builds, for float32 weights or for "
+        "bfloat16 ones on a CPU with bfloat16 units; else xla.",
         one_of(*MATMUL_BACKENDS),
     )
     mesh: dict | None = option(

@@ -50,9 +50,10 @@ def _lib() -> tuple[ctypes.CDLL | None, str]:
     lib.JaxserveMatmulImpl.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.JaxserveLastError.restype = ctypes.c_char_p
     # Without AVX-512 (an AVX2 CPU) oneDNN 3.2 has no packed bfloat16 kernel at all.
-    probe = lib.JaxserveMatmulImpl(32, 64, 64, 0).decode()
-    if not probe or probe.startswith("ref"):
-        return None, f"oneDNN has no fast bfloat16 matmul on this CPU ({probe or 'none'})"
+    for dtype, f32 in (("bfloat16", 0), ("float32", 1)):
+        probe = lib.JaxserveMatmulImpl(32, 64, 64, f32).decode()
+        if not probe or probe.startswith("ref"):
+            return None, f"oneDNN has no fast {dtype} matmul on this CPU ({probe or 'none'})"
     return lib, ""
 
 

@@ -74,7 +74,8 @@ def test_matmul_backend_option():
     """onednn where it cannot run is one error naming the option; auto falls back."""
     assert resolve_matmul("xla", "bfloat16", "cpu", sharded=False) == "xla"
     assert resolve_matmul("onednn", "bfloat16", "cpu", sharded=False) == "onednn"
-    assert resolve_matmul("auto", "float32", "cpu", sharded=False) == "xla"  # float32 stays exact on XLA
+    assert resolve_matmul("auto", "float32", "cpu", sharded=False) == "onednn"
+    assert resolve_matmul("auto", "float16", "cpu", sharded=False) == "xla"
     assert resolve_matmul("auto", "bfloat16", "cpu", sharded=True) == "xla"
     for args, why in (
         (("bfloat16", "tpu"), "it runs on the CPU only"),
