@@ -25,7 +25,7 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.errors import RequestError
 from jaxserve.models.checkpoint import open_checkpoint
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.fetch import resolve_model
+from jaxserve.models.fetch import default_cache_dir, resolve_model
 from jaxserve.models.loading import load_model, weight_bytes
 from jaxserve.parallel.multihost import DistributedConfig, initialize
 from jaxserve.plan import EnginePlan, check_memory, device_free_bytes, resolve_plan
@@ -82,7 +82,7 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
         compile_cache.enable(cfg.cache_dir)
     else:
         compile_cache.disable()
-    ckpt = open_checkpoint(resolve_model(cfg.model, cfg.cache_dir))
+    ckpt = open_checkpoint(resolve_model(cfg.model, cfg.cache_dir), cfg.cache_dir or default_cache_dir())
     mcfg = ckpt.config
     tokenizer = ckpt.tokenizer()
     plan = resolve_plan(cfg, mcfg)

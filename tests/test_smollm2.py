@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -36,6 +40,41 @@ def test_every_dequantized_tensor_equals_transformers(smollm2_path, smollm2_hf):
         got = ours.read(name)
         assert name in reference, name
         np.testing.assert_array_equal(got, reference[name], err_msg=name)
+
+
+def test_gguf_index_reopens_the_same_checkpoint_without_parsing(smollm2_path, tmp_path, monkeypatch):
+    """The second open of a GGUF file reads the index the first one wrote (config, tensor
+    table, converted tokenizer): no gguf.GGUFReader, same tensors and tokens. A broken
+    index is rebuilt, and a changed file gets a new one."""
+    import gguf
+
+    first = open_checkpoint(smollm2_path, tmp_path)
+    (index,) = (tmp_path / "gguf").iterdir()
+
+    def no_parse(*args, **kwargs):
+        raise AssertionError("the GGUF file was parsed again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_parse)
+    second = open_checkpoint(smollm2_path, tmp_path)
+    assert second.config == first.config and second.tensor_names() == first.tensor_names()
+    for name in ("model.embed_tokens.weight", "model.layers.3.self_attn.k_proj.weight", "model.norm.weight"):
+        np.testing.assert_array_equal(second.read(name), first.read(name))
+    text = "Hello <|im_start|>user\nWhat's 2+2? 日本語 😀<|im_end|>"
+    assert second.tokenizer().encode(text) == first.tokenizer().encode(text)
+    chat = [{"role": "user", "content": "Hi"}]
+    assert second.tokenizer().apply_chat_template(chat, tokenize=False) == first.tokenizer().apply_chat_template(
+        chat, tokenize=False
+    )
+    monkeypatch.undo()
+    (index / "index.json").write_text("{not json")
+    rebuilt = open_checkpoint(smollm2_path, tmp_path)
+    assert rebuilt.config == first.config and json.loads((index / "index.json").read_text())["tensors"]
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(smollm2_path, copy)
+    open_checkpoint(copy, tmp_path)
+    os.utime(copy, ns=(0, 0))  # the same path, another file as far as the index knows
+    open_checkpoint(copy, tmp_path)
+    assert len(list((tmp_path / "gguf").iterdir())) == 3
 
 
 def test_tokenizer_and_chat_template_match_transformers(llm, smollm2_hf):

@@ -7,15 +7,21 @@ quantizations dequantized), and the tokenizer. No torch is needed.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from jaxserve.errors import ModelLoadError
-from jaxserve.models.config import ModelConfig, config_from_gguf, config_from_hf
+from jaxserve.models.config import ModelConfig, RopeConfig, config_from_gguf, config_from_hf
 
 # GGUF quantization types we dequantize (and test against transformers).
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -128,28 +134,108 @@ def _unpermute_llama_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, head_dim_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-class GGUFCheckpoint(Checkpoint):
-    """A single GGUF file: metadata, possibly quantized tensors, tokenizer and chat template."""
+@dataclasses.dataclass(frozen=True)
+class _GGUFTensor:
+    """What reading one tensor needs: llama.cpp's name, type and shape, and its bytes."""
 
-    def __init__(self, path: Path):
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order (fastest dimension first)
+    offset: int  # of its data in the file
+    data: np.ndarray  # a view into the file, as gguf.GGUFReader gives it
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A single GGUF file: metadata, possibly quantized tensors, tokenizer and chat template.
+
+    Parsing a GGUF file's metadata is slow in Python (SmolLM2: ~3 s, most of it the
+    49k-entry vocabulary) and so is converting its tokenizer (~1.3 s). The first open
+    therefore keeps an index in ``cache_dir/gguf/<key>/``: the config, each tensor's
+    type, shape and offset, and the converted tokenizer. Later opens of the same file
+    (same path, size and modification time) read the index and map the tensors straight
+    from the file. A broken index is rebuilt.
+    """
+
+    def __init__(self, path: Path, cache_dir: Path | None = None):
+        self.path = path
+        index = _index_dir(path, cache_dir) if cache_dir is not None else None
+        if index is not None and self._open_index(index):
+            return
+        self._read_file()
+        if index is not None:
+            self._write_index(index)
+
+    def _read_file(self) -> None:
         import gguf
 
-        self.path = path
+        path = self.path
         try:
-            self._reader = gguf.GGUFReader(str(path))
+            reader = gguf.GGUFReader(str(path))
         except Exception as e:  # struct errors, ValueError on bad magic, memmap errors
             raise ModelLoadError(f"cannot read {path}: not a valid GGUF file ({type(e).__name__}: {e})") from None
-        self.meta = {key: field.contents() for key, field in self._reader.fields.items()}
-        self._tensors: dict[str, Any] = {}
-        for t in self._reader.tensors:
-            self._tensors[self._hf_name(t.name)] = t
-        self.config = config_from_gguf(self.meta, {t.name for t in self._reader.tensors})
-        bad = sorted({t.tensor_type.name for t in self._reader.tensors} - set(SUPPORTED_GGUF_TYPES))
+        self.meta = {key: field.contents() for key, field in reader.fields.items()}
+        self.config = config_from_gguf(self.meta, {t.name for t in reader.tensors})
+        bad = sorted({t.tensor_type.name for t in reader.tensors} - set(SUPPORTED_GGUF_TYPES))
         if bad:
             raise ModelLoadError(
                 f"{path} uses unsupported GGUF tensor type(s) {', '.join(bad)}; "
                 f"supported: {', '.join(SUPPORTED_GGUF_TYPES)}"
             )
+        self.architecture = self.meta.get("general.architecture")
+        self._tensors = {
+            self._hf_name(t.name): _GGUFTensor(
+                t.name, t.tensor_type, tuple(int(n) for n in t.shape), int(t.data_offset), t.data
+            )
+            for t in reader.tensors
+        }
+        self._tokenizer = None
+
+    def _write_index(self, index: Path) -> None:
+        """Writes the index (atomically: a whole directory or none)."""
+        entries = {
+            hf_name: [t.name, t.tensor_type.name, list(t.shape), t.offset, t.data.dtype.str, list(t.data.shape)]
+            for hf_name, t in self._tensors.items()
+        }
+        record = {"config": dataclasses.asdict(self.config), "architecture": self.architecture, "tensors": entries}
+        tmp = None
+        try:
+            index.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=index.parent))
+            self.tokenizer().save_pretrained(str(tmp / "tokenizer"))
+            (tmp / "index.json").write_text(json.dumps(record))
+            os.replace(tmp, index)  # fails if another process wrote it first: theirs stays
+            tmp = None
+        except OSError:
+            pass  # an unwritable cache only costs the next start its time
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def _open_index(self, index: Path) -> bool:
+        import gguf
+        from transformers import PreTrainedTokenizerFast
+
+        try:
+            record = json.loads((index / "index.json").read_text())
+            cfg = record["config"]
+            rope = RopeConfig(**cfg.pop("rope"))
+            tuples = {k: tuple(cfg.pop(k)) for k in ("sliding_windows", "eos_token_ids")}
+            self.config = ModelConfig(**cfg, rope=rope, **tuples)
+            self.architecture = record["architecture"]
+            data = np.memmap(self.path, mode="r")
+            self._tensors = {}
+            for hf_name, (name, qtype, shape, offset, dtype, data_shape) in record["tensors"].items():
+                dtype = np.dtype(dtype)
+                nbytes = int(np.prod(data_shape)) * dtype.itemsize
+                view = np.asarray(data[offset : offset + nbytes]).view(dtype).reshape(data_shape)  # no memmap
+                qtype = gguf.GGMLQuantizationType[qtype]
+                self._tensors[hf_name] = _GGUFTensor(name, qtype, tuple(shape), offset, view)
+            self._tokenizer = PreTrainedTokenizerFast.from_pretrained(str(index / "tokenizer"))
+            self.meta = {"general.architecture": self.architecture}
+            return True
+        except Exception:  # missing, partial, from another version: rebuild it
+            shutil.rmtree(index, ignore_errors=True)
+            return False
 
     @staticmethod
     def _hf_name(name: str) -> str:
@@ -174,7 +260,7 @@ class GGUFCheckpoint(Checkpoint):
         except Exception as e:
             raise ModelLoadError(f"cannot dequantize {t.name} ({t.tensor_type.name}) in {self.path}: {e}") from None
         w = np.asarray(w, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
-        if self.meta.get("general.architecture") == "llama":
+        if self.architecture == "llama":
             cfg = self.config
             if name.endswith("q_proj.weight"):
                 w = _unpermute_llama_qk(w, cfg.num_heads)
@@ -183,6 +269,11 @@ class GGUFCheckpoint(Checkpoint):
         return w
 
     def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = self._convert_tokenizer()
+        return self._tokenizer
+
+    def _convert_tokenizer(self):
         # transformers' own GGUF tokenizer converters, fed from our metadata: its
         # AutoTokenizer(gguf_file=...) path would import torch.
         from transformers import PreTrainedTokenizerFast
@@ -209,8 +300,24 @@ class GGUFCheckpoint(Checkpoint):
         return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """Opens a Hugging Face model directory or a ``.gguf`` file."""
+INDEX_VERSION = 1  # bump when the index's contents change
+
+
+def _index_dir(path: Path, cache_dir: Path) -> Path | None:
+    """Where a GGUF file's index lives: keyed by the file (path, size, modification time)
+    and the versions that shaped the index (gguf, transformers, this format)."""
+    try:
+        st = path.resolve().stat()
+    except OSError:
+        return None
+    versions = f"{metadata.version('gguf')}|{metadata.version('transformers')}|{INDEX_VERSION}"
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{versions}"
+    return Path(cache_dir) / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def open_checkpoint(path: str | Path, cache_dir: str | Path | None = None) -> Checkpoint:
+    """Opens a Hugging Face model directory or a ``.gguf`` file (``cache_dir``: where a
+    GGUF file's index is kept; None keeps none)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(
@@ -220,5 +327,5 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if path.is_dir():
         return HFCheckpoint(path)
     if path.suffix == ".gguf":
-        return GGUFCheckpoint(path)
+        return GGUFCheckpoint(path, Path(cache_dir) if cache_dir is not None else None)
     raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
