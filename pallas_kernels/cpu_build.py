@@ -1,7 +1,7 @@
 """Builds the project's C++ CPU kernels on first use and registers them with XLA's FFI.
 
-One shared library holds every CPU kernel, so they share one set of worker threads
-(``cpu_threads.h``): the ragged paged attention kernel always, and the oneDNN matmul
+One shared library holds every CPU kernel (they split their work the same way over XLA's
+threads: ``cpu_threads.h``): the ragged paged attention kernel always, and the oneDNN matmul
 (``cpu_matmul.cc``) where oneDNN's PyPI build is installed (x86-64 Linux). It is compiled
 with the machine's C++ compiler (``$CXX`` or ``c++``; ``-O3 -march=native``) against the
 FFI headers jaxlib ships, and cached under ``~/.cache/jaxserve/kernels`` keyed by the

@@ -8,9 +8,9 @@
 // layer's [K, N] weight into that layout once, the model holds the packed bytes of all
 // layers as one [L, bytes] array, and the FFI call reads layer l's bytes in place.
 //
-// A weight is packed as column slices, one per thread of the CPU kernels' pool
-// (cpu_threads.h); a call runs each slice on one thread (oneDNN's own OpenMP team stays
-// off) into its own dense block of the [slices, M, N / slices] output.
+// A weight is packed as column slices, one per core; a call runs each slice on one of
+// XLA's intra-op threads (cpu_threads.h; oneDNN's own OpenMP team stays off) into its own
+// dense block of the [slices, M, N / slices] output.
 //
 // One packed layout serves every row count: the one oneDNN picks for kPackRows rows,
 // with one primitive per row count over it (cached). The layout fixes how K is blocked,
@@ -90,9 +90,9 @@ std::shared_ptr<const Entry> Primitive(int64_t m, int64_t k, int64_t n, bool f32
 thread_local std::string last_error;
 
 // x [M, K] @ w[layer] -> out [slices, M, N / slices]: slice i (columns [i * N / slices,
-// (i + 1) * N / slices) of the weight, packed on its own) runs on one thread of the pool
+// (i + 1) * N / slices) of the weight, packed on its own) runs on one of XLA's threads
 // into its own dense block (oneDNN 3.2's fast kernels take no row stride on the output).
-ffi::Error Matmul(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::S32> layer,
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::S32> layer,
                   ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions();
   auto pd = packed.dimensions();
@@ -143,7 +143,7 @@ ffi::Error Matmul(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi
       if (!failed.exchange(true)) error = e.what();
     }
   };
-  jaxserve::SpinPool::Get().Run(static_cast<int>(slices), run);
+  jaxserve::RunOnPool(pool, static_cast<int>(slices), run);
   if (failed) return ffi::Error::Internal("oneDNN matmul: " + error);
   return ffi::Error::Success();
 }
@@ -205,6 +205,7 @@ const char* JaxserveLastError() { return last_error.c_str(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, Matmul,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()          // XLA's intra-op threads
                                   .Arg<ffi::AnyBuffer>()           // x [M, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()     // packed weights [L, bytes]
                                   .Arg<ffi::Buffer<ffi::S32>>()    // layer

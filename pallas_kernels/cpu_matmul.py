@@ -4,7 +4,7 @@
 tiles, AVX-512 VNNI pairs), as ``slices()`` column slices, one per core; the model holds
 every layer's packed bytes as one ``[L, bytes]`` uint8 array; ``matmul(x, packed, layer,
 n, dtype)`` runs ``x @ w[layer]`` in an XLA FFI call that reads the layer's bytes in
-place, each slice on one of the CPU kernels' threads (``cpu_threads.h``). XLA:CPU's own
+place, each slice on one of XLA's intra-op threads (``cpu_threads.h``). XLA:CPU's own
 dots instead get a plain weight on every call (and, inside the layer scan, a copy of each
 layer's slice first): on a 2-core AMX CPU a chain of SmolLM2's MLP matmuls runs 2-4x
 faster so at 8-32 rows and ~1.15x at 512.

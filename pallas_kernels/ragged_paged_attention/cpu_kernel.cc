@@ -410,7 +410,7 @@ void DrainAs(Work& work) {
 
 void Drain(Work& work) { work.bits ? DrainAs<uint16_t>(work) : DrainAs<float>(work); }
 
-ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> layer,
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> layer,
                   ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
                   ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> window, float sm_scale,
                   ffi::ResultBuffer<ffi::F32> out) {
@@ -487,19 +487,20 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache, ffi::Buffer<
       }
     }
   }
-  // This thread and the pool's helpers take tiles until none is left.
-  jaxserve::SpinPool& threads = jaxserve::SpinPool::Get();
-  threads.Run(static_cast<int>(std::min<size_t>(threads.threads(), tiles.size())), [&](int) { Drain(*work); });
+  // This thread and XLA's other intra-op threads take tiles until none is left.
+  const int workers = static_cast<int>(std::min<size_t>(pool.num_threads() + 1, tiles.size()));
+  jaxserve::RunOnPool(pool, workers, [&](int) { Drain(*work); });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
 // The threads every CPU kernel of the library splits its work over (cpu_threads.h).
-extern "C" int JaxserveThreads() { return jaxserve::SpinPool::Get().threads(); }
+extern "C" int JaxserveThreads() { return jaxserve::Threads(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attend,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
                                   .Arg<ffi::AnyBuffer>()          // kv_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
