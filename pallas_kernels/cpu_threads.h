@@ -53,12 +53,16 @@ void RunOnPool(Pool& pool, int n, const std::function<void(int)>& fn) {
   const int helpers = std::min<int>(static_cast<int>(pool.num_threads()), n - 1);
   for (int h = 0; h < helpers; ++h) pool.Schedule([state, take] { take(*state); });
   take(*state);
-  while (state->pending.load(std::memory_order_acquire) > 0) {  // a helper finishing its item
+  // A helper finishing its item: spin briefly, then yield, so a helper that a busy machine
+  // has descheduled gets the core back rather than watching this thread spin.
+  for (int spins = 0; state->pending.load(std::memory_order_acquire) > 0; ++spins) {
 #if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#else
-    std::this_thread::yield();
+    if (spins < 1024) {
+      __builtin_ia32_pause();
+      continue;
+    }
 #endif
+    std::this_thread::yield();
   }
 }
 
