@@ -112,7 +112,7 @@ def run_hf(model_path, work, batch: int) -> float:
 
 def main(args: argparse.Namespace) -> int:
     from jaxserve.models.checkpoint import open_checkpoint
-    from jaxserve.models.fetch import resolve_model
+    from jaxserve.models.fetch import default_cache_dir, resolve_model
 
     base = engine_config(args)
     rows = [("config", base, False)]
@@ -122,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
     if args.static:
         rows.append(("static batching", base, True))
     model_path = resolve_model(base.model, base.cache_dir)
-    vocab = open_checkpoint(model_path).config.vocab_size
+    vocab = open_checkpoint(model_path, base.cache_dir or default_cache_dir()).config.vocab_size  # as assemble opens it
     work = workload(args.requests, args.prompt, args.output, vocab, args.seed)
     prompt_tokens, output_tokens = sum(len(ids) for ids, _ in work), sum(m for _, m in work)
     print(f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens, model {base.model}")

@@ -231,7 +231,6 @@ class GGUFCheckpoint(Checkpoint):
                 qtype = gguf.GGMLQuantizationType[qtype]
                 self._tensors[hf_name] = _GGUFTensor(name, qtype, tuple(shape), offset, view)
             self._tokenizer = PreTrainedTokenizerFast.from_pretrained(str(index / "tokenizer"))
-            self.meta = {"general.architecture": self.architecture}
             return True
         except Exception:  # missing, partial, from another version: rebuild it
             shutil.rmtree(index, ignore_errors=True)

@@ -203,6 +203,7 @@ class LlamaForCausalLM(nnx.Module):
         """``weight_dtype``: set when matmul weights are stored as 16-bit patterns (weight());
         ``packed``: the dtype of layer weights packed for oneDNN (DecoderLayer), or None."""
         self.weight_dtype = weight_dtype
+        self.packed = packed
         self.cfg = cfg
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
 
@@ -218,7 +219,6 @@ class LlamaForCausalLM(nnx.Module):
         # widening, and a bitcast of a whole parameter is a copy). On an AMX CPU a [32,
         # 576] x [576, 49152] head runs 2.6x faster so (3.0 against 7.7 ms) than a float32
         # x @ embed.T; the lookup keeps the float32 table.
-        self.packed = packed
         if packed is not None:  # oneDNN's layout, as a one-"layer" stack
             nbytes = cpu_matmul.packed_bytes(cfg.hidden_size, cfg.vocab_size, packed)
             self.lm_head = nnx.Param(jnp.zeros((1, nbytes), jnp.uint8))

@@ -71,12 +71,16 @@ def _convert(w: np.ndarray, transpose: bool, shape: tuple[int, ...], dtype, name
     return w.astype(dtype)
 
 
-def _each_layer(load, num_layers: int):
-    """``load(0)``, ..., ``load(num_layers - 1)`` in order, on a thread per core: reading a
-    tensor is mostly numpy work (GGUF dequantization, transposes, packing) that runs
-    without the GIL, so a 2-core machine loads SmolLM2 ~1.6x faster so."""
+def _stack_layers(load, shape: tuple[int, ...], dtype, bar, tensors_per_layer: int = 1) -> np.ndarray:
+    """``[load(0), ..., load(L - 1)]`` as one ``shape`` array, loaded on a thread per core:
+    reading a tensor is mostly numpy work (GGUF dequantization, transposes, packing) that
+    runs without the GIL, so a 2-core machine loads SmolLM2 ~1.6x faster so."""
+    stacked = np.empty(shape, dtype)
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        yield from pool.map(load, range(num_layers))
+        for i, w in enumerate(pool.map(load, range(shape[0]))):
+            stacked[i] = w
+            bar.update(tensors_per_layer)
+    return stacked
 
 
 def abstract_model(
@@ -192,17 +196,13 @@ def load_model(
         per_head_kv = ours in _KV_PARAMS and kv_factor > 1
         file_shape = (*shape[1:-1], shape[-1] // kv_factor) if per_head_kv else shape[1:]
         np_dtype = weight_np if ours in MATMUL_PARAMS else act_np
-        stacked = np.empty(shape, np_dtype)
 
         def layer(i, suffix=suffix, transpose=transpose, file_shape=file_shape, np_dtype=np_dtype, kv=per_head_kv):
             hf_name = f"model.layers.{i}.{suffix}"
             w = _convert(ckpt.read(hf_name), transpose, file_shape, np_dtype, hf_name)
             return replicate_kv_heads(w, orig_kv_heads, kv_factor) if kv else w
 
-        for i, w in enumerate(_each_layer(layer, cfg.num_layers)):
-            stacked[i] = w
-            bar.update()
-        params["layers"][ours] = put(ours, stacked)
+        params["layers"][ours] = put(ours, _stack_layers(layer, shape, np_dtype, bar))
     if packed:  # one device: no KV-head replication
         plain = matmul_shapes(cfg)
         for ours in matmul_shapes(cfg, packed=True):
@@ -216,11 +216,8 @@ def load_model(
                     parts.append(_convert(ckpt.read(hf_name), transpose, plain[name], weight_np, hf_name))
                 return cpu_matmul.pack(np.concatenate(parts, axis=1))
 
-            stacked = np.empty(tuple(shapes["layers"][ours].shape), np.uint8)
-            for i, w in enumerate(_each_layer(packed_layer, cfg.num_layers)):
-                stacked[i] = w
-                bar.update(len(names))
-            params["layers"][ours] = jax.device_put(stacked)
+            shape = tuple(shapes["layers"][ours].shape)
+            params["layers"][ours] = jax.device_put(_stack_layers(packed_layer, shape, np.uint8, bar, len(names)))
     bar.close()
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
