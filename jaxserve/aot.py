@@ -3,7 +3,7 @@
 The real TPU compiler (libtpu, Mosaic included) runs on any machine against compile-only
 devices (``jax.experimental.topologies``); so does XLA's GPU compiler with a target
 description. ``StepCompiler`` builds the engine's jitted step exactly as ``ModelRunner``
-does (``make_forward`` and ``sample``), with weights, KV cache and step inputs as abstract
+does (``make_forward`` and ``make_sample``), with weights, KV cache and step inputs as abstract
 arrays sharded over the plan's mesh, and compiles it for every (token bucket, sequence
 bucket) pair. No checkpoint is read and nothing is allocated. Each compile reports the
 memory the device needs (``memory_analysis``) and the work XLA counts (``cost_analysis``).
@@ -34,8 +34,7 @@ from jaxserve.models.config import ModelConfig, config_from_hf
 from jaxserve.models.loading import MATMUL_PARAMS, abstract_model
 from jaxserve.parallel import kv_cache_sharding, param_sharding
 from jaxserve.plan import EnginePlan, resolve_plan
-from jaxserve.runner.model_runner import bucket_seqs, greedy, make_forward, step_inputs
-from jaxserve.runner.sampler import sample
+from jaxserve.runner.model_runner import bucket_seqs, greedy, make_forward, make_sample, step_inputs
 
 # Architectures by name, for sizing without a download: Llama-family config.json fields.
 _PRESET_FIELDS = (
@@ -195,7 +194,8 @@ class StepCompiler:
         self.kv_cache = jax.ShapeDtypeStruct(shape, dtype, sharding=kv_cache_sharding(mesh))
         self.vocab_size = cfg.vocab_size
         self._forward = jax.jit(make_forward(self.graphdef, backend), donate_argnums=(1,))
-        self._sample = jax.jit(sample)
+        self._sample = jax.jit(make_sample(plan.runner.max_num_seqs, plan.mesh))
+        self.feed_tokens = jax.ShapeDtypeStruct((plan.runner.max_num_seqs,), np.int32, sharding=self.replicated)
 
     def _param_spec(self, path, x):
         if self.plan.mesh is None:
@@ -209,16 +209,16 @@ class StepCompiler:
 
     def compile_forward(self, tokens: int, seqs: int) -> Compiled:
         """The model half of the step for bucket (tokens, seqs)."""
-        md, _, _ = self._inputs(tokens, seqs)
+        md, feed_rows, _, _ = self._inputs(tokens, seqs)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-            return Compiled.of(self._forward, self.state, self.kv_cache, md)
+            return Compiled.of(self._forward, self.state, self.kv_cache, md, feed_rows, self.feed_tokens)
 
     def compile_sample(self, seqs: int, penalties: bool = False) -> Compiled:
         """The sampler for sequence bucket ``seqs`` (the penalised variant if asked)."""
-        _, smd, pmd = self._inputs(seqs, seqs, penalties)
+        _, _, smd, pmd = self._inputs(seqs, seqs, penalties)
         logits = jax.ShapeDtypeStruct((seqs, self.vocab_size), np.float32, sharding=self.replicated)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-            return Compiled.of(self._sample, logits, smd, pmd)
+            return Compiled.of(self._sample, logits, smd, pmd, self.feed_tokens)
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -102,5 +102,5 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
         schedule_policy=cfg.schedule_policy,
         lpm_aging_steps=cfg.lpm_aging_steps,
     )
-    engine = Engine(ModelRunner(model, plan.runner), scheduler, tokenizer, eos)
+    engine = Engine(ModelRunner(model, plan.runner), scheduler, tokenizer, eos, overlap=cfg.overlap_scheduling)
     return EngineHandle(cfg, plan, mcfg, tokenizer, engine)

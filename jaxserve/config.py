@@ -181,6 +181,12 @@ class EngineConfig:
         "fcfs", "fcfs, or lpm: longest cached prefix first, with aging.", one_of(*SCHEDULE_POLICIES)
     )
     lpm_aging_steps: int = option(64, "lpm: a request that has waited this many steps goes first.", at_least(1))
+    overlap_scheduling: bool = option(
+        True,
+        "Schedule and send step N+1 while step N runs on the device, and apply step N's tokens (stop checks, "
+        "text, streams) while N+1 runs: host work hides behind device work. Outputs are the serial loop's; "
+        "a request ended by a stop token or string computes one extra row. false: the serial loop.",
+    )
     cache_dir: str | None = option(None, "Model cache (null: $XDG_CACHE_HOME/jaxserve).")
     compile_cache: bool = option(
         True,

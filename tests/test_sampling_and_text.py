@@ -151,7 +151,7 @@ def test_penalties_match_a_numpy_reference():
     )
     blocked = np.full((s, MAX_BLOCKED), -1, np.int32)
     blocked[2, :2] = [7, 8]
-    pmd = PenaltyMetadata(rep, pres, freq, hist, num_prompt)
+    pmd = PenaltyMetadata(rep, pres, freq, hist, num_prompt, np.full(s, -1, np.int32))
     got = np.asarray(block(penalize(logits, pmd), blocked))
     want = logits.copy()
     for i in range(s):
@@ -183,6 +183,12 @@ class ScriptedRunner:
         return SamplerOutput(
             np.asarray(tokens), np.zeros(n), np.zeros((n, MAX_LOGPROBS), np.int32), np.zeros((n, MAX_LOGPROBS))
         )
+
+    def dispatch(self, seqs, sampling):
+        return self.execute(seqs, sampling)
+
+    def fetch(self, handle):
+        return handle
 
 
 @pytest.fixture

@@ -310,7 +310,7 @@ def test_deadline_aborts_the_request_and_frees_its_pages(served):
 
 def test_a_failed_engine_step_ends_requests_with_internal_and_serving_continues(served, monkeypatch):
     llm, _, addr, _ = served
-    real = llm.runner.execute
+    real = llm.runner.dispatch
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -319,7 +319,7 @@ def test_a_failed_engine_step_ends_requests_with_internal_and_serving_continues(
             raise RuntimeError("simulated device failure")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(llm.runner, "execute", flaky)
+    monkeypatch.setattr(llm.runner, "dispatch", flaky)
     with Client(addr) as c:
         with pytest.raises(grpc.RpcError) as err:
             c.generate([1, 2, 3], max_tokens=4, **GREEDY, timeout=60)
@@ -347,8 +347,8 @@ def test_a_step_that_fails_after_donation_recreates_the_kv_cache(tiny_model_dir,
                 statuses.append(status)
             await real_set(service, status)
 
-        def fails_once_after_donation(state, kv_cache, md):
-            out = real_forward(state, kv_cache, md)  # the cache is donated to this call...
+        def fails_once_after_donation(*args):
+            out = real_forward(*args)  # the cache is donated to this call...
             if not statuses:
                 raise RuntimeError("simulated device failure after donation")  # ...and lost
             return out

@@ -92,9 +92,10 @@ def test_the_lm_head_is_never_gathered():
     """With the vocabulary sharded, each device computes its logit columns; the step must
     all-gather the logits ([S, V] floats), never the LM head's weights ([E, V])."""
     compiler = config_compiler("llama3-8b-tpu-v5e.yaml", "v5e:2x2")
-    md, _, _ = compiler._inputs(64, 64)
+    md, feed_rows, _, _ = compiler._inputs(64, 64)
     with jax.sharding.use_abstract_mesh(compiler.mesh.abstract_mesh):
-        text = compiler._forward.lower(compiler.state, compiler.kv_cache, md).compile().as_text()
+        lowered = compiler._forward.lower(compiler.state, compiler.kv_cache, md, feed_rows, compiler.feed_tokens)
+        text = lowered.compile().as_text()
     gathered = re.findall(r"= \w+\[([\d,]+)\][^=]*? all-gather\(", text)
     assert gathered, "the logits' all-gather is missing from the step"
     sizes = [int(np.prod([int(d) for d in dims.split(",")])) for dims in gathered]

@@ -1,5 +1,15 @@
 """The step loop: schedule -> run the jitted step -> apply tokens -> output stage.
 
+Overlap scheduling (``overlap=True``, SGLang's overlap scheduler and vLLM's async
+scheduling in spirit): ``step`` schedules and dispatches step N while step N-1 still runs
+on the device, then waits for N-1's tokens and applies them (stop checks, text, streams)
+while N runs. The host work of a step thus hides behind the device's. A decode in step
+N whose input is N-1's token takes it from the device (``ScheduledSeq.feed_row``), so
+nothing waits for it; each ``step`` returns the requests that got a token from N-1.
+Outputs are the serial loop's: the same rows see the same inputs. The price: a request
+that N-1's token stops (a stop token or string) has one wasted row in step N. A
+penalised row's token history gets N-1's token on the device too (``feed_history``).
+
 One thread owns this object (and the device); requests come and go between steps. The
 owner is explicit: ``claim`` / ``owned_by_current_thread`` bind one thread, and while one
 is bound every other thread's ``step``, ``add_request`` and ``abort`` raise
@@ -10,6 +20,7 @@ updates and hand an already-donated KV cache to the device).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import random
 import threading
@@ -19,7 +30,7 @@ from typing import Any
 
 from jaxserve.engine.output import OutputStage
 from jaxserve.engine.request import Request
-from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.scheduler import Pending, Sampled, Scheduler, SchedulerOutput
 from jaxserve.errors import JaxServeError
 from jaxserve.runner import compile_counter
 from jaxserve.runner.batch import ScheduledSeq
@@ -31,9 +42,22 @@ class EngineBusyError(JaxServeError):
     """Another thread drives this engine; only its owner may step, add to or abort it."""
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step whose tokens are not applied yet."""
+
+    pending: list[Pending]  # the rows that sample a token (Scheduler.commit)
+    handle: Any  # the runner's, for fetch
+    rows: dict[int, int]  # id(request) -> its sampling row, for the next step's feed
+
+
 class Engine:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer, eos_token_ids: set[int]):
+    def __init__(
+        self, runner: ModelRunner, scheduler: Scheduler, tokenizer, eos_token_ids: set[int], overlap: bool = False
+    ):
         self.runner = runner
+        self.overlap = overlap
+        self._in_flight: _InFlight | None = None
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -43,6 +67,7 @@ class Engine:
         self.counters = {"steps": 0, "prefill_tokens_computed": 0, "decode_tokens": 0, "recoveries": 0}
         # Cumulative seconds per phase of step(): scheduling (+ building the step's inputs
         # lists), the runner (see runner.timings: packing vs device), update + text.
+        # Overlapped, schedule_s and update_s run while the device computes the step before.
         self.timings = {"schedule_s": 0.0, "update_s": 0.0, "step_s": 0.0}
         self._owner_lock = threading.Lock()
         self._owner: tuple[threading.Thread, str] | None = None
@@ -126,45 +151,78 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or a dispatched step to apply."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def _sampling(self, request: Request) -> SeqSampling:
         params = request.params
-        blocked = tuple(sorted(request.stop_token_ids)) if request.num_output_tokens < params.min_tokens else ()
+        blocked = tuple(sorted(request.stop_token_ids)) if request.num_sampled < params.min_tokens else ()
         if params.has_penalties:  # the request's own list: the runner copies it into the step's input
             return SeqSampling(params, request.seed, request.token_ids, request.num_prompt_tokens, blocked)
         return SeqSampling(params, request.seed, blocked_ids=blocked)
 
     def step(self) -> tuple[list[Request], list[Request]]:
-        """Runs one step; returns (requests that got a token, requests that finished)."""
+        """Runs one step; returns (requests that got a token, requests that finished).
+        Overlapped, the tokens are those of the step dispatched by the call before."""
         self._check_owner("step")
         t0 = time.perf_counter()
+        prev, self._in_flight = self._in_flight, None  # a failure below drops it with the step
+        got = []
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return [], []
-        seqs, sampling = [], []
-        for request, n in out.scheduled:
-            start = request.num_computed_tokens
-            seqs.append(ScheduledSeq(request.token_ids[start : start + n], start, request.pages))
-            sampling.append(self._sampling(request))
-        if out.page_copies:
-            self.runner.copy_pages(out.page_copies)
+        if out.is_empty and prev is None:
+            return self._advanced(got)
         t1 = time.perf_counter()
-        result = self.runner.execute(seqs, sampling)
-        t2 = time.perf_counter()
-        got = self.scheduler.update(out, result.tokens.tolist())
-        self.output.apply(got, result)
+        if not out.is_empty:
+            handle = self._dispatch(out, prev)
+            t1 = time.perf_counter()
+        if prev is not None:
+            got += self._apply(prev)
+        if not out.is_empty:
+            pending = self.scheduler.commit(out)  # after prev's tokens: commits read them
+            step = _InFlight(pending, handle, {id(p.request): p.row for p in pending})
+            if not self.overlap:
+                got += self._apply(step)
+            elif pending:  # else nothing to wait for: every row's request has ended
+                self._in_flight = step
+        self.timings["schedule_s"] += t1 - t0
+        self.timings["step_s"] += time.perf_counter() - t0
+        self.counters["steps"] += int(not out.is_empty)
+        self.counters["decode_tokens"] += out.num_decode_tokens
+        self.counters["prefill_tokens_computed"] += out.num_prefill_tokens
+        return self._advanced(got)
+
+    def _advanced(self, got: list[Sampled]) -> tuple[list[Request], list[Request]]:
         advanced = [s.request for s in got]
         finished = [r for r in advanced if r.status.is_finished]
         for request in finished:
             self.requests.pop(request.request_id, None)
-        self.timings["schedule_s"] += t1 - t0
-        self.timings["update_s"] += time.perf_counter() - t2
-        self.timings["step_s"] += time.perf_counter() - t0
-        self.counters["steps"] += 1
-        self.counters["decode_tokens"] += out.num_decode_tokens
-        self.counters["prefill_tokens_computed"] += out.num_prefill_tokens
         return advanced, finished
+
+    def _dispatch(self, out: SchedulerOutput, prev: _InFlight | None) -> Any:
+        """Packs the scheduled rows and sends the step; a row whose token is pending is fed
+        from the step before on the device."""
+        seqs, sampling = [], []
+        for request, n in out.scheduled:
+            start = request.num_computed_tokens
+            x = self._sampling(request)
+            if request.num_pending:  # only a decode: its token is prev's sample
+                x.history_feed = row = prev.rows[id(request)]
+                seqs.append(ScheduledSeq([0], start, request.pages, feed_row=row))
+            else:
+                seqs.append(ScheduledSeq(request.token_ids[start : start + n], start, request.pages))
+            sampling.append(x)
+        if out.page_copies:
+            self.runner.copy_pages(out.page_copies)
+        return self.runner.dispatch(seqs, sampling)
+
+    def _apply(self, step: _InFlight) -> list[Sampled]:
+        """Waits for a dispatched step's tokens and applies them: stop checks, logprobs, text."""
+        result = self.runner.fetch(step.handle)
+        t0 = time.perf_counter()
+        got = self.scheduler.resolve(step.pending, result.tokens[[p.row for p in step.pending]].tolist())
+        self.output.apply(got, result)
+        self.timings["update_s"] += time.perf_counter() - t0
+        return got
 
     def stats(self) -> dict[str, int]:
         return {

@@ -8,6 +8,12 @@ sampled token as the scheduler appends it)::
                                   |<- to go  ->|   next steps compute these (a prefill
                                                     chunk, or 1 token when decoding)
 
+With overlap scheduling the scheduler runs one step ahead of the tokens: a step in
+flight will give the request a token whose value the host does not know yet. It is
+counted in ``num_pending`` (not in ``token_ids``, which users read), so the positions
+the scheduler reasons about (``num_tokens``, ``num_sampled``) include it, while the
+user-facing counts (``output_token_ids``, ``num_output_tokens``) do not.
+
 Status: WAITING -> RUNNING -> FINISHED_*; RUNNING -> PREEMPTED (pages freed, computed
 reset to 0) -> RUNNING again, recomputing prompt + output so far.
 
@@ -55,6 +61,7 @@ class Request:
     arrival: int = 0  # scheduler step at which it arrived (lpm aging)
     output_text: str = ""  # text emitted so far (never a partial character or a possible stop)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_pending: int = 0  # tokens a step in flight will give it (0 or 1; overlap scheduling)
     client: str = ""  # who asked (server: identity or peer); fair admission shares slots by it
     num_prompt_tokens: int = dataclasses.field(init=False)  # len(token_ids) as given
 
@@ -75,8 +82,14 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_sampled(self) -> int:
+        """Output tokens sampled so far, the one a step in flight will give included."""
+        return self.num_output_tokens + self.num_pending
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Prompt + output positions, the pending one included (what the scheduler plans over)."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_tokens_to_compute(self) -> int:
@@ -85,7 +98,7 @@ class Request:
     @property
     def is_prefill_done(self) -> bool:
         """True once only the newest sampled token is left to compute (decoding)."""
-        return self.num_tokens_to_compute <= 1 and self.num_output_tokens > 0
+        return self.num_tokens_to_compute <= 1 and self.num_sampled > 0
 
     @property
     def finish_reason(self) -> str | None:

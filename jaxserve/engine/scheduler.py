@@ -11,9 +11,16 @@ unreferenced cached prefixes first; then the most recently admitted running requ
 preempted (its pages freed; it recomputes later, reusing what the prefix cache still
 holds) instead of failing.
 
-``update`` applies a step's tokens and says what happened: per request, the token it got
-and whether that ended it (a stop token, a length limit). Text is not the scheduler's
-business: the output stage reports a matched stop string back through ``stop``.
+A step's results come back in two halves. ``commit`` (right after the step is sent to
+the device) records its tokens as computed and gives each row that samples a pending
+token (``Request.num_pending``). ``resolve`` (once the sampled ids are on the host)
+turns those into tokens and says what happened: per request, the token it got and
+whether that ended it (a stop token, a length limit). ``update`` is both at once, the
+serial loop. Between the two halves the next step may be scheduled (overlap scheduling,
+``engine.py``): a decode then runs on its pending token, which the device feeds from the
+step before; a request that the pending token will end by length is not scheduled, one
+that it ends by a stop token wastes one row. Text is not the scheduler's business: the
+output stage reports a matched stop string back through ``stop``.
 
 Admission order: ``fcfs``, or ``lpm`` (longest cached prefix first) with an aging bound:
 a request that has waited ``lpm_aging_steps`` steps goes first, so cache-cold requests
@@ -60,6 +67,14 @@ class Sampled:
     row: int  # the request's row in the step: where the sampler's other outputs for it are
     token: int
     finished: bool  # the token ended it (a stop token, max_tokens or max_model_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A row of a committed step that will sample a request's next token."""
+
+    request: Request
+    row: int
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
@@ -141,7 +156,7 @@ class Scheduler:
             for i, (r, n) in enumerate(out.scheduled):
                 if r is victim:
                     del out.scheduled[i]
-                    if n == 1 and victim.num_output_tokens:
+                    if n == 1 and victim.num_sampled:
                         out.num_decode_tokens -= 1
                     else:
                         out.num_prefill_tokens -= n
@@ -238,6 +253,8 @@ class Scheduler:
         for request in list(self.running):
             if request not in self.running or not request.is_prefill_done or budget() == 0:
                 continue
+            if request.num_pending and self._ends_by_length(request):
+                continue  # the token in flight is its last
             if self._reserve(request, 1, out):
                 out.scheduled.append((request, 1))
                 out.num_decode_tokens += 1
@@ -256,6 +273,8 @@ class Scheduler:
         for request in self._admission_order():
             if budget() == 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if request.num_pending:
+                continue  # preempted with a token in flight: admitted once it is known
             if self._shares_uncached_prefix(request):
                 continue  # wait for the running request to cache the shared prefix
             if not self._admit(request, out, budget()):
@@ -264,28 +283,48 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, tokens: list[int]) -> list[Sampled]:
         """Applies one step's sampled tokens (one per scheduled row); returns who got one."""
-        got = []
-        for row, ((request, n), token) in enumerate(zip(out.scheduled, tokens, strict=True)):
+        pending = self.commit(out)
+        return self.resolve(pending, [tokens[p.row] for p in pending])
+
+    def commit(self, out: SchedulerOutput) -> list[Pending]:
+        """The step's tokens are computed (it is on the device); returns the rows that
+        sample a token: each such request gets a pending token until ``resolve``."""
+        pending = []
+        for row, (request, n) in enumerate(out.scheduled):
             if request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+                continue  # ended (aborted, or by the step before) since it was scheduled
+            assert not request.num_pending, "commit of a request whose last token is unresolved"
             self.kv.commit(request, n)
             if request.num_tokens_to_compute > 0:
                 continue  # a prefill chunk with prompt left: its sample is not a token
+            request.num_pending = 1
+            pending.append(Pending(request, row))
+        return pending
+
+    def resolve(self, pending: list[Pending], tokens: list[int]) -> list[Sampled]:
+        """The sampled ids of ``commit``'s rows, in order: appends each, applies stop checks."""
+        got = []
+        for p, token in zip(pending, tokens, strict=True):
+            request = p.request
+            if request.status.is_finished:
+                continue  # aborted (or stopped by text) while the step ran
+            request.num_pending = 0
             request.token_ids.append(token)
             status = self._stop_status(request, token)
             if status is not None:
                 if status is RequestStatus.FINISHED_STOPPED:
                     request.stop_reason = token
                 self._end(request, status)
-            got.append(Sampled(request, row, token, status is not None))
+            got.append(Sampled(request, p.row, token, status is not None))
         return got
 
+    def _ends_by_length(self, request: Request) -> bool:
+        return request.num_sampled >= request.params.max_tokens or request.num_tokens >= self.max_model_len
+
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.params
-        generated = request.num_output_tokens
-        if token in request.stop_token_ids and generated > params.min_tokens:
+        if token in request.stop_token_ids and request.num_output_tokens > request.params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
-        if generated >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if self._ends_by_length(request):
             return RequestStatus.FINISHED_LENGTH
         return None
 

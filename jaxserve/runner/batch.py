@@ -61,6 +61,9 @@ class ScheduledSeq:
     token_ids: list[int]
     start: int  # number of tokens already in the KV cache (num_computed_tokens)
     pages: list[int]  # page ids covering at least start + len(token_ids) tokens
+    # >= 0: its (one) token is what row ``feed_row`` of the step before samples, still on
+    # the device (overlap scheduling); token_ids[0] is then a stand-in.
+    feed_row: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +71,7 @@ class PackedBatch:
     """One step's attention metadata (host-side numpy, shapes already bucketed)."""
 
     md: AttentionMetadata
+    feed_rows: np.ndarray  # [T] int32: the previous step's row whose sample is this token, or -1
     num_seqs: int
     num_tokens: int
 
@@ -85,6 +89,7 @@ def pack(
     kv_lens = np.zeros(s_pad, np.int32)
     page_table = np.full((s_pad, pages_per_seq), SCRATCH_PAGE, np.int32)
     logits_indices = np.zeros(s_pad, np.int32)
+    feed_rows = np.full(t_pad, -1, np.int32)
     offset = 0
     for i, s in enumerate(seqs):
         n = len(s.token_ids)
@@ -97,6 +102,7 @@ def pack(
         kv_lens[i] = s.start + n
         page_table[i, : len(pages)] = pages
         logits_indices[i] = offset + n - 1
+        feed_rows[offset] = s.feed_row
         offset += n
     md = AttentionMetadata(input_ids, positions, slot_mapping, query_start_loc, kv_lens, page_table, logits_indices)
-    return PackedBatch(md, len(seqs), num_tokens)
+    return PackedBatch(md, feed_rows, len(seqs), num_tokens)

@@ -1,11 +1,19 @@
 """Owns the device side: parameters, the KV cache and the jitted step.
 
 A step is two jitted programs dispatched back to back (the host waits for neither):
-``forward(state, kv_cache, attention_md) -> (kv_cache, logits)``, the model over the
-flat ragged batch with the KV write, compiled per (token bucket, sequence bucket); and
-``sample(logits, sampling_md[, penalty_md]) -> tokens, logprobs``, compiled per sequence
-bucket, twice: with penalties (and the token history they need) only for steps that have
-a penalised request. The KV cache is donated, so XLA updates it in place.
+``forward(state, kv_cache, attention_md, feed_rows, feed_tokens) -> (kv_cache, logits)``,
+the model over the flat ragged batch with the KV write, compiled per (token bucket,
+sequence bucket); and ``sample(logits, sampling_md[, penalty_md]) -> (tokens, logprobs,
+..., feed_tokens)``, compiled per sequence bucket, twice: with penalties (and the token
+history they need) only for steps that have a penalised request. The KV cache is
+donated, so XLA updates it in place.
+
+``dispatch`` sends a step and returns at once; ``fetch`` waits for its sampled ids. In
+between, the engine may dispatch the next step (overlap scheduling): its decodes' input
+tokens are still on the device, so ``feed_rows`` says, per input token, which row of the
+previous step's ``feed_tokens`` (its samples padded to ``max_num_seqs``, a fixed shape
+so the forward does not compile per previous bucket) replaces it, and the host never
+waits for them.
 """
 
 from __future__ import annotations
@@ -25,7 +33,14 @@ from jaxserve.parallel import kv_cache_sharding, replicated
 from jaxserve.parallel.multihost import COPY_PAGES, STEP, STOP, StepChannel, to_host
 from jaxserve.runner import compile_counter
 from jaxserve.runner.batch import MIN_TOKEN_BUCKET, PackedBatch, ScheduledSeq, make_buckets, pack, pick_bucket
-from jaxserve.runner.sampler import MAX_BLOCKED, PenaltyMetadata, SamplerOutput, SamplingMetadata, sample
+from jaxserve.runner.sampler import (
+    MAX_BLOCKED,
+    PenaltyMetadata,
+    SamplerOutput,
+    SamplingMetadata,
+    feed_history,
+    sample,
+)
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -72,6 +87,7 @@ class SeqSampling:
     history: list[int] | None = None  # prompt + output ids, only when penalties are on
     num_prompt_tokens: int = 0
     blocked_ids: tuple[int, ...] = ()  # stop ids masked while under min_tokens
+    history_feed: int = -1  # >= 0: the history's newest token is this row of the step before (on the device)
 
 
 def greedy(n: int, penalties: bool = False) -> list[SeqSampling]:
@@ -112,12 +128,15 @@ def sampling_metadata(
         return smd, None
     history = np.full((s_pad, max_model_len), -1, np.int32)
     num_prompt = np.zeros(s_pad, np.int32)
+    feed = np.full(s_pad, -1, np.int32)
     for i, x in enumerate(sampling):
         if x.history is not None:
             history[i, : len(x.history)] = x.history
             num_prompt[i] = x.num_prompt_tokens
+            feed[i] = x.history_feed
     off = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-    return smd, PenaltyMetadata(**_per_seq(sampling, s_pad, off), token_history=history, num_prompt_tokens=num_prompt)
+    per_seq = _per_seq(sampling, s_pad, off)
+    return smd, PenaltyMetadata(**per_seq, token_history=history, num_prompt_tokens=num_prompt, history_feed=feed)
 
 
 def bucket_seqs(cfg: RunnerConfig, t: int, s: int) -> list[ScheduledSeq]:
@@ -128,7 +147,8 @@ def bucket_seqs(cfg: RunnerConfig, t: int, s: int) -> list[ScheduledSeq]:
     return [ScheduledSeq([0] * n, 0, [0] * cfg.pages_per_seq) for n in sizes]
 
 
-StepInputs = tuple[AttentionMetadata, SamplingMetadata, PenaltyMetadata | None]
+# (attention metadata, feed rows [T], sampler metadata, penalty metadata or None), numpy
+StepInputs = tuple[AttentionMetadata, np.ndarray, SamplingMetadata, PenaltyMetadata | None]
 
 
 def step_inputs(
@@ -138,18 +158,21 @@ def step_inputs(
     tokens, seq_buckets = cfg.buckets
     b = pack(seqs, cfg.page_size, cfg.pages_per_seq, tokens, seq_buckets)
     smd, pmd = sampling_metadata(sampling, len(b.md.kv_lens), b.md.kv_lens.copy(), cfg.max_model_len)
-    return b, (b.md, smd, pmd)
+    return b, (b.md, b.feed_rows, smd, pmd)
 
 
 def make_forward(graphdef, backend: AttentionBackend):
-    """The model half of a step, ``(state, kv_cache, md) -> (kv_cache, logits [S, V])``, to
-    jit with the cache donated; ``sample`` is the other half. Two programs, not one:
-    the sampler's shapes depend on the sequence bucket only, so it compiles once per
-    sequence bucket instead of once per (token, sequence) pair, which halves TPU warm-up.
-    ``jaxserve.aot`` compiles the same two functions deviceless."""
+    """The model half of a step, ``(state, kv_cache, md, feed_rows, feed_tokens) ->
+    (kv_cache, logits [S, V])``, to jit with the cache donated; ``make_sample``'s is the
+    other half. Two programs, not one: the sampler's shapes depend on the sequence bucket
+    only, so it compiles once per sequence bucket instead of once per (token, sequence)
+    pair, which halves TPU warm-up. ``jaxserve.aot`` compiles the same two functions
+    deviceless."""
     mesh = backend.mesh
 
-    def forward(state, kv_cache, md: AttentionMetadata):
+    def forward(state, kv_cache, md: AttentionMetadata, feed_rows, feed_tokens):
+        fed = feed_tokens[jnp.maximum(feed_rows, 0)]  # the previous step's samples, by row
+        md = dataclasses.replace(md, input_ids=jnp.where(feed_rows >= 0, fed, md.input_ids))
         model = nnx.merge(graphdef, state)
         logits, kv_cache = model(kv_cache, md, backend)
         if mesh is not None:  # the sampler sees whole rows; the cache stays sharded
@@ -158,6 +181,23 @@ def make_forward(graphdef, backend: AttentionBackend):
         return kv_cache, logits
 
     return forward
+
+
+def make_sample(max_num_seqs: int, mesh=None):
+    """``sample(logits, smd, pmd, feed_tokens)``: penalised rows' histories completed from
+    the step before (``feed_history``), then ``sample``, plus its tokens padded to
+    ``max_num_seqs`` rows: the next step's ``feed_tokens``, kept on the device."""
+
+    def sample_step(logits, smd: SamplingMetadata, pmd: PenaltyMetadata | None, feed_tokens):
+        if pmd is not None:
+            pmd = feed_history(pmd, smd.positions, feed_tokens)
+        out = sample(logits, smd, pmd)
+        feed = jnp.zeros(max_num_seqs, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
+        if mesh is not None:
+            feed = jax.lax.with_sharding_constraint(feed, replicated(mesh))
+        return out, feed
+
+    return sample_step
 
 
 def copy_pages(kv_cache, src, dst):
@@ -188,8 +228,13 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache()
         self.token_buckets, self.seq_buckets = cfg.buckets
         self._forward = jax.jit(make_forward(self.graphdef, cfg.attention_backend), donate_argnums=(1,))
-        self._sample = jax.jit(sample)
+        self._sample = jax.jit(make_sample(cfg.max_num_seqs, mesh))
         self._copy_pages = jax.jit(copy_pages, donate_argnums=(0,))
+        # Placed as the sampler's output will be: jit keys a call by its arguments' placement.
+        zeros = np.zeros(cfg.max_num_seqs, np.int32)
+        self._no_feed = jax.device_put(zeros, replicated(mesh) if mesh is not None else None)
+        self._feed_tokens = self._no_feed  # the last step's samples, padded (see make_sample)
+        self.recording: list[StepInputs] | None = None  # a list: every step's inputs go in it
 
     def pack(self, seqs: list[ScheduledSeq]) -> PackedBatch:
         return pack(seqs, self.cfg.page_size, self.cfg.pages_per_seq, self.token_buckets, self.seq_buckets)
@@ -208,22 +253,43 @@ class ModelRunner:
                 src, dst = self.channel.share((src, dst))
             self.kv_cache = self._copy_pages(self.kv_cache, src, dst)
 
-    def execute(self, seqs: list[ScheduledSeq], sampling: list[SeqSampling]) -> SamplerOutput:
-        """Runs one step; returns the sampler's output (numpy) for the real sequences."""
+    def dispatch(self, seqs: list[ScheduledSeq], sampling: list[SeqSampling]) -> tuple[SamplerOutput, int]:
+        """Sends one step to the device without waiting for it; ``fetch`` gets its tokens.
+        A sequence's ``feed_row`` refers to the step dispatched just before this one."""
         t0 = time.perf_counter()
         b, inputs = step_inputs(self.cfg, seqs, sampling)
         if self.channel is not None:  # every process runs the same step (multihost.py)
-            self.channel.announce(STEP, b.md.num_tokens, len(b.md.kv_lens), inputs[2] is not None)
+            self.channel.announce(STEP, b.md.num_tokens, len(b.md.kv_lens), inputs[3] is not None)
             inputs = self.channel.share(inputs)
         self.input_bytes += sum(x.nbytes for x in jax.tree.leaves(inputs))
-        t1 = time.perf_counter()
+        if self.recording is not None:
+            self.recording.append(inputs)
         out = self._step(*inputs)
-        n = b.num_seqs
+        self.timings["pack_s"] += time.perf_counter() - t0
+        return out, b.num_seqs
+
+    def fetch(self, handle: tuple[SamplerOutput, int]) -> SamplerOutput:
+        """Waits for a dispatched step; its sampler output (numpy) for the real sequences."""
+        t0 = time.perf_counter()
+        out, n = handle
         result = jax.tree.map(lambda a: to_host(a)[:n], out)
-        t2 = time.perf_counter()
-        self.timings["pack_s"] += t1 - t0
-        self.timings["device_s"] += t2 - t1  # dispatch + compute + transfer back
+        self.timings["device_s"] += time.perf_counter() - t0  # the wait + transfer back
         return result
+
+    def execute(self, seqs: list[ScheduledSeq], sampling: list[SeqSampling]) -> SamplerOutput:
+        """Runs one step; returns the sampler's output (numpy) for the real sequences."""
+        return self.fetch(self.dispatch(seqs, sampling))
+
+    def replay(self, recorded: list[StepInputs]) -> float:
+        """Seconds the device takes for ``recorded`` steps sent back to back with no host
+        work between them: the device-only time of a workload, for profiles. The K/V it
+        writes are what the recorded run wrote to the same slots."""
+        jax.block_until_ready(self._feed_tokens)
+        t0 = time.perf_counter()
+        for inputs in recorded:
+            out = self._step(*inputs)
+        jax.block_until_ready(out)
+        return time.perf_counter() - t0
 
     @property
     def kv_cache_lost(self) -> bool:
@@ -235,10 +301,13 @@ class ModelRunner:
         if not self.kv_cache.is_deleted():
             self.kv_cache.delete()
         self.kv_cache = self._new_kv_cache()
+        self._feed_tokens = self._no_feed  # the failed step's samples may never come
 
-    def _step(self, md: AttentionMetadata, smd: SamplingMetadata, pmd: PenaltyMetadata | None) -> SamplerOutput:
-        self.kv_cache, logits = self._forward(self.state, self.kv_cache, md)
-        return self._sample(logits, smd, pmd)  # pmd None: the variant without penalties
+    def _step(self, md, feed_rows, smd, pmd) -> SamplerOutput:
+        feed = self._feed_tokens
+        self.kv_cache, logits = self._forward(self.state, self.kv_cache, md, feed_rows, feed)
+        out, self._feed_tokens = self._sample(logits, smd, pmd, feed)  # pmd None: the variant without penalties
+        return out
 
     def follow(self) -> None:
         """Followers (process > 0): replay the leader's steps and page copies until it stops."""
@@ -268,7 +337,7 @@ class ModelRunner:
             raise RuntimeError("logits() is not replayed on other processes; use it on a single process")
         b = self.pack(seqs)
         md = dataclasses.replace(b.md, logits_indices=np.arange(b.md.num_tokens, dtype=np.int32))
-        self.kv_cache, logits = self._forward(self.state, self.kv_cache, md)
+        self.kv_cache, logits = self._forward(self.state, self.kv_cache, md, b.feed_rows, self._no_feed)
         return np.asarray(logits)[: b.num_tokens]
 
     def warmup(self, progress: bool = True) -> None:
@@ -289,8 +358,8 @@ class ModelRunner:
         bar = tqdm(total=jobs, desc="compiling step buckets", disable=not progress, leave=False)
         logits = {}  # sequence bucket -> logits placed as the sampler receives them
         for t, s in pairs:
-            _, (md, _, _) = step_inputs(self.cfg, bucket_seqs(self.cfg, t, s), greedy(s))
-            out = self._forward.lower(self.state, self.kv_cache, md).compile().out_info[1]
+            _, (md, feed_rows, _, _) = step_inputs(self.cfg, bucket_seqs(self.cfg, t, s), greedy(s))
+            out = self._forward.lower(self.state, self.kv_cache, md, feed_rows, self._no_feed).compile().out_info[1]
             # An array placed as the model's output will be: jit keys a call by its arguments'
             # placement, committed to devices (under a mesh) or not (one device).
             zeros = np.zeros(out.shape, out.dtype)
@@ -298,8 +367,8 @@ class ModelRunner:
             bar.update()
         for s in seq_buckets:
             for penalties in (False, True):
-                _, (_, smd, pmd) = step_inputs(self.cfg, bucket_seqs(self.cfg, s, s), greedy(s, penalties))
-                self._sample.lower(logits[s], smd, pmd).compile()
+                _, (_, _, smd, pmd) = step_inputs(self.cfg, bucket_seqs(self.cfg, s, s), greedy(s, penalties))
+                self._sample.lower(logits[s], smd, pmd, self._no_feed).compile()
                 bar.update()
         pages = np.zeros(self.cfg.max_num_seqs, np.int32)
         self._copy_pages.lower(self.kv_cache, pages, pages).compile()

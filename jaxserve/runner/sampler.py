@@ -48,6 +48,17 @@ class PenaltyMetadata:
     frequency_penalty: jax.Array  # [S] float32, 0 = off
     token_history: jax.Array  # [S, H] int32: prompt then output ids, -1 padding
     num_prompt_tokens: jax.Array  # [S] int32
+    # [S] int32: >= 0 when the newest history token (at ``positions - 1``) is still on the
+    # device, the previous step's sample of that row (overlap scheduling); see ``feed_history``
+    history_feed: jax.Array
+
+
+def feed_history(pmd: PenaltyMetadata, positions: jax.Array, feed_tokens: jax.Array) -> PenaltyMetadata:
+    """Writes each fed row's newest token into its history: the host sent it without."""
+    hist = pmd.token_history
+    fed = feed_tokens[jnp.maximum(pmd.history_feed, 0)]
+    at = (jnp.arange(hist.shape[1])[None, :] == positions[:, None] - 1) & (pmd.history_feed >= 0)[:, None]
+    return dataclasses.replace(pmd, token_history=jnp.where(at, fed[:, None], hist))
 
 
 @jax.tree_util.register_dataclass
