@@ -186,6 +186,8 @@ def resolve_plan(
         num_pages = max(int(budget // per_page), 2)
     # The context cannot outgrow the pages one sequence could hold (all but the scratch page).
     max_model_len = min(max_model_len, (num_pages - 1) * cfg.page_size)
+    weight_dtype = storage_dtype(cfg.weight_dtype, dtype, platform)
+    matmul = resolve_matmul(cfg.matmul_backend, weight_dtype, platform, sharded=mesh is not None)
     runner = RunnerConfig(
         page_size=cfg.page_size,
         num_pages=num_pages,
@@ -193,11 +195,14 @@ def resolve_plan(
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=cfg.max_num_seqs,
         min_token_bucket=cfg.min_token_bucket or min(MIN_TOKEN_BUCKET, cfg.max_num_batched_tokens),
-        min_seq_bucket=2 if platform == "cpu" else 8,
+        # Accelerators: a TPU sublane tile, where a few padding rows cost nothing. oneDNN
+        # matmuls pad the LM head to 8 rows anyway (cpu_matmul.py), so smaller sequence
+        # buckets would only add programs to compile (and load at every start). XLA:CPU's
+        # dots pay per row: 2 rows there.
+        min_seq_bucket=2 if platform == "cpu" and matmul != "onednn" else 8,
         attention_backend=backend,
         kv_cache_dtype=kv_dtype,
     )
-    weight_dtype = storage_dtype(cfg.weight_dtype, dtype, platform)
     return EnginePlan(
         mcfg,
         platform,
@@ -211,7 +216,7 @@ def resolve_plan(
         backend,
         num_pages,
         runner,
-        resolve_matmul(cfg.matmul_backend, weight_dtype, platform, sharded=mesh is not None),
+        matmul,
     )
 
 
