@@ -98,6 +98,8 @@ def test_bench_offline_rows_agree_on_greedy_outputs(tiny_model_dir, capsys):
     steps = {name: int(p.split()[0]) for name, p in profiles.items()}
     assert steps["static batching"] > steps["config"]
     assert "output tok/s" in printed and "cpu: " in printed and "command: jaxserve bench offline" in printed
+    # each row's wall time per step against its own step inputs replayed with no host work
+    assert len(re.findall(r"per step [\d.]+ ms against [\d.]+ device-only \([+-][\d.]+%, overlap on\)", printed)) == 3
 
 
 def test_bench_latency_and_prefix_cache_report(tiny_model_dir, capsys):
