@@ -32,7 +32,7 @@ class SamplingParams:
     filters. A request with a ``seed`` gives the same tokens whatever else is batched.
     """
 
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: prefill only (the prompt's K/V computed and cached, no token)
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -55,7 +55,11 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         checks = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
+            (
+                "max_tokens",
+                isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 0,
+                "an integer >= 0 (0: prefill only, the prompt goes to the prefix cache)",
+            ),
             (
                 "temperature",
                 _number(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),

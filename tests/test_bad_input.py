@@ -156,7 +156,7 @@ def test_bad_engine_options(options, message):
 @pytest.mark.parametrize(
     "params, message",
     [
-        ({"max_tokens": 0}, r"max_tokens = 0: must be an integer >= 1"),
+        ({"max_tokens": -1}, r"max_tokens = -1: must be an integer >= 0"),
         ({"temperature": -1.0}, r"temperature = -1.0: must be a number >= 0"),
         ({"top_p": 0.0}, r"top_p = 0.0: must be a number in \(0, 1\]"),
         ({"top_k": -2}, r"top_k = -2: must be an integer >= 0"),

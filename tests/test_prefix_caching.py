@@ -141,3 +141,29 @@ def test_lpm_aging_admits_a_cold_request(aging, admitted):
     assert (cold.status is not RequestStatus.WAITING) == admitted
     if admitted:
         assert step <= aging + 2
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_prefill_only_request_caches_its_prompt(tiny_path, overlap):
+    """max_tokens 0: the prompt is computed (in chunks), cached, and the request ends
+    with no token; the next request sharing it computes only what follows."""
+    llm = _llm(tiny_path, overlap_scheduling=overlap)
+    rng = random.Random(5)
+    system = [rng.randrange(320) for _ in range(150)]
+    warm = llm.generate([system], SamplingParams(max_tokens=0))[0]
+    assert (warm.token_ids, warm.text, warm.finish_reason) == ([], "", "length")
+    stats = llm.stats()
+    assert stats["prefill_tokens_computed"] == 150 and stats["decode_tokens"] == 0
+    assert stats["kv_pages_held"] == 0 and stats["kv_pages_cached"] == 150 // 16 + 1
+    question = system + [rng.randrange(320) for _ in range(10)]
+    out = llm.generate([question], GREEDY)[0]
+    assert out.num_cached_tokens == 150
+    assert llm.stats()["prefill_tokens_computed"] - stats["prefill_tokens_computed"] == 10
+    assert out.token_ids == _llm(tiny_path, enable_prefix_caching=False).generate([question], GREEDY)[0].token_ids
+    # beside running requests, in one step
+    reqs = [llm.engine.add_request(question, GREEDY), llm.engine.add_request(system[:40], SamplingParams(max_tokens=0))]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        llm.scheduler.check_integrity()
+    assert reqs[0].output_token_ids == out.token_ids and reqs[1].output_token_ids == []
+    assert reqs[1].finish_reason == "length" and llm.stats()["kv_pages_held"] == 0

@@ -413,3 +413,17 @@ def test_a_chat_template_that_refuses_the_messages_is_invalid_argument(served, m
             c.generate([{"role": "assistant", "content": "hi"}], max_tokens=2, **GREEDY)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "chat template refuses them: roles must start with user" in err.value.details()
+
+
+def test_a_prefill_only_request_over_grpc(served):
+    """max_tokens 0: no token, finish reason length, the prompt cached for the next call."""
+    llm, _, addr, _ = served
+    prompt = rng_tokens(70, 320, seed=21)
+    with Client(addr) as c:
+        warm = c.generate(prompt, max_tokens=0, **GREEDY, timeout=60)
+        assert list(warm.token_ids) == [] and warm.finish_reason == pb.FINISH_REASON_LENGTH
+        assert warm.usage.prompt_tokens == 70 and warm.usage.completion_tokens == 0
+        parts = list(c.stream(prompt, max_tokens=0, **GREEDY, timeout=60))
+        assert parts[-1].finish_reason == pb.FINISH_REASON_LENGTH and not any(p.token_ids for p in parts)
+        assert c.generate(prompt + [5, 6], max_tokens=3, **GREEDY, timeout=60).usage.cached_tokens == 70
+    assert llm.stats()["kv_pages_held"] == 0

@@ -167,10 +167,10 @@ class Engine:
         self._check_owner("step")
         t0 = time.perf_counter()
         prev, self._in_flight = self._in_flight, None  # a failure below drops it with the step
-        got = []
+        got, ended = [], []
         out = self.scheduler.schedule()
         if out.is_empty and prev is None:
-            return self._advanced(got)
+            return self._advanced(got, ended)
         t1 = time.perf_counter()
         if not out.is_empty:
             handle = self._dispatch(out, prev)
@@ -178,7 +178,8 @@ class Engine:
         if prev is not None:
             got += self._apply(prev)
         if not out.is_empty:
-            pending = self.scheduler.commit(out)  # after prev's tokens: commits read them
+            committed = self.scheduler.commit(out)  # after prev's tokens: commits read them
+            pending, ended = committed.pending, committed.ended
             step = _InFlight(pending, handle, {id(p.request): p.row for p in pending})
             if not self.overlap:
                 got += self._apply(step)
@@ -189,13 +190,17 @@ class Engine:
         self.counters["steps"] += int(not out.is_empty)
         self.counters["decode_tokens"] += out.num_decode_tokens
         self.counters["prefill_tokens_computed"] += out.num_prefill_tokens
-        return self._advanced(got)
+        return self._advanced(got, ended)
 
-    def _advanced(self, got: list[Sampled]) -> tuple[list[Request], list[Request]]:
-        advanced = [s.request for s in got]
+    def _advanced(self, got: list[Sampled], ended: list[Request]) -> tuple[list[Request], list[Request]]:
+        """(requests that got a token or ended, those that ended); ``ended``: prefill-only
+        requests whose prompt this step computed (no token)."""
+        advanced = [s.request for s in got] + ended
         finished = [r for r in advanced if r.status.is_finished]
         for request in finished:
             self.requests.pop(request.request_id, None)
+        for request in ended:
+            self.output.drop(request.request_id)
         return advanced, finished
 
     def _dispatch(self, out: SchedulerOutput, prev: _InFlight | None) -> Any:

@@ -77,6 +77,12 @@ class Pending:
     row: int
 
 
+@dataclasses.dataclass
+class Committed:
+    pending: list[Pending]  # the rows that will sample a token
+    ended: list[Request]  # prefill-only requests (max_tokens 0) whose prompt is now computed
+
+
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
     n, limit = 0, min(len(a), len(b), limit)
     while n < limit and a[n] == b[n]:
@@ -283,13 +289,15 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, tokens: list[int]) -> list[Sampled]:
         """Applies one step's sampled tokens (one per scheduled row); returns who got one."""
-        pending = self.commit(out)
+        pending = self.commit(out).pending
         return self.resolve(pending, [tokens[p.row] for p in pending])
 
-    def commit(self, out: SchedulerOutput) -> list[Pending]:
+    def commit(self, out: SchedulerOutput) -> Committed:
         """The step's tokens are computed (it is on the device); returns the rows that
-        sample a token: each such request gets a pending token until ``resolve``."""
-        pending = []
+        sample a token (each such request gets a pending token until ``resolve``) and the
+        prefill-only requests (``max_tokens`` 0) whose prompt is now computed: they end
+        here, FINISHED_LENGTH, their prompt's K/V in the prefix cache."""
+        pending, ended = [], []
         for row, (request, n) in enumerate(out.scheduled):
             if request.status is not RequestStatus.RUNNING:
                 continue  # ended (aborted, or by the step before) since it was scheduled
@@ -297,9 +305,13 @@ class Scheduler:
             self.kv.commit(request, n)
             if request.num_tokens_to_compute > 0:
                 continue  # a prefill chunk with prompt left: its sample is not a token
+            if request.params.max_tokens == 0:
+                self._end(request, RequestStatus.FINISHED_LENGTH)
+                ended.append(request)
+                continue
             request.num_pending = 1
             pending.append(Pending(request, row))
-        return pending
+        return Committed(pending, ended)
 
     def resolve(self, pending: list[Pending], tokens: list[int]) -> list[Sampled]:
         """The sampled ids of ``commit``'s rows, in order: appends each, applies stop checks."""
