@@ -167,7 +167,7 @@ INVALID = [
         dict(prompt=[{"role": "wizard", "content": "hi"}]),
         r"chat.messages\[0\].role = 'wizard': must be one of system, user",
     ),
-    (dict(prompt="hi", max_tokens=0), "max_tokens = 0: must be an integer >= 1"),
+    (dict(prompt="hi", max_tokens=-1), "max_tokens = -1: must be an integer >= 0"),
     (dict(prompt="hi", max_tokens=-5), "max_tokens = -5"),
     (
         dict(prompt="hi", max_tokens=5000),

@@ -162,8 +162,9 @@ class Engine:
         return SeqSampling(params, request.seed, blocked_ids=blocked)
 
     def step(self) -> tuple[list[Request], list[Request]]:
-        """Runs one step; returns (requests that got a token, requests that finished).
-        Overlapped, the tokens are those of the step dispatched by the call before."""
+        """Runs one step; returns (requests that got a token or ended, requests that
+        finished). Overlapped, the tokens are those of the step dispatched by the call
+        before; a prefill-only request ends in the call that dispatched its last chunk."""
         self._check_owner("step")
         t0 = time.perf_counter()
         prev, self._in_flight = self._in_flight, None  # a failure below drops it with the step
