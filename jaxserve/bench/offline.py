@@ -79,7 +79,7 @@ def run_engine(cfg, work, static: bool, quiet: bool) -> tuple[float, str]:
         f"{steps} steps, compiles after warm-up {stats['num_compiles'] - compiles}, outputs {digest}; per step "
         f"{elapsed * ms:.1f} ms against {device_only * ms:.1f} device-only ({100 * (elapsed / device_only - 1):+.1f}%, "
         f"overlap {'on' if llm.engine.overlap else 'off'}); host work {host * ms:.2f} ms (schedule + pack "
-        f"{eng['schedule_s'] * ms:.2f} of which pack {run['pack_s'] * ms:.2f}, update {eng['update_s'] * ms:.2f}), "
+        f"{eng['schedule_s'] * ms:.2f} of which pack and send {run['pack_s'] * ms:.2f}, update {eng['update_s'] * ms:.2f}), "
         f"waiting on the device {run['device_s'] * ms:.1f} ms; step inputs {llm.runner.input_bytes / steps / 1e3:.1f} kB"
     )
     return elapsed, profile

@@ -48,7 +48,6 @@ class _InFlight:
 
     pending: list[Pending]  # the rows that sample a token (Scheduler.commit)
     handle: Any  # the runner's, for fetch
-    rows: dict[int, int]  # id(request) -> its sampling row, for the next step's feed
 
 
 class Engine:
@@ -181,7 +180,7 @@ class Engine:
         if not out.is_empty:
             committed = self.scheduler.commit(out)  # after prev's tokens: commits read them
             pending, ended = committed.pending, committed.ended
-            step = _InFlight(pending, handle, {id(p.request): p.row for p in pending})
+            step = _InFlight(pending, handle)
             if not self.overlap:
                 got += self._apply(step)
             elif pending:  # else nothing to wait for: every row's request has ended
@@ -208,11 +207,12 @@ class Engine:
         """Packs the scheduled rows and sends the step; a row whose token is pending is fed
         from the step before on the device."""
         seqs, sampling = [], []
+        rows = {id(p.request): p.row for p in prev.pending} if prev is not None else {}
         for request, n in out.scheduled:
             start = request.num_computed_tokens
             x = self._sampling(request)
             if request.num_pending:  # only a decode: its token is prev's sample
-                x.history_feed = row = prev.rows[id(request)]
+                x.history_feed = row = rows[id(request)]
                 seqs.append(ScheduledSeq([0], start, request.pages, feed_row=row))
             else:
                 seqs.append(ScheduledSeq(request.token_ids[start : start + n], start, request.pages))

@@ -219,7 +219,8 @@ class ModelRunner:
         # A mesh spanning other processes' devices: they must replay every step (multihost.py).
         spans_processes = mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat)
         self.channel = StepChannel() if spans_processes else None
-        self.timings = {"pack_s": 0.0, "device_s": 0.0}  # cumulative, for profiles
+        # Cumulative, for profiles: packing + sending a step (dispatch), waiting for it (fetch).
+        self.timings = {"pack_s": 0.0, "device_s": 0.0}
         self.input_bytes = 0  # cumulative bytes of step inputs sent to the device
         if mesh is None:
             self._new_kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype))
