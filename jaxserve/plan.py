@@ -81,9 +81,15 @@ class EnginePlan:
         units = (
             f"; this CPU has{'' if has_bfloat16_units() else ' no'} bfloat16 units" if self.platform == "cpu" else ""
         )
+        amx = (
+            self.backend.name == "cpu"
+            and self.kv_dtype == "bfloat16"
+            and self.model_config.head_dim % 32 == 0
+            and cpu_attention.uses_amx()
+        )
         return (
             f"activations {self.dtype}, layer weights {self.weight_dtype} ({self.matmul} matmuls), "
-            f"KV cache {self.kv_dtype}{units}"
+            f"KV cache {self.kv_dtype}{' (attention on AMX tiles)' if amx else ''}{units}"
         )
 
     @property

@@ -313,12 +313,39 @@ def test_cpu_kernel_bfloat16_bits_cache():
 
 
 @needs_cpu_kernel
-def test_cpu_kernel_token_is_bitwise_independent_of_its_batch():
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, page_size", [*KERNEL_SHAPES, (4, 2, 32, 8)])
+@pytest.mark.parametrize("window", [0, 20])
+def test_cpu_kernel_bfloat16_cache_is_read_at_float32_accuracy(
+    case, num_heads, num_kv_heads, head_dim, page_size, window
+):
+    """A bfloat16 cache gives what a float32 cache holding the same values gives, to ~1e-5:
+    on AMX the query and the probabilities enter the bfloat16 tile products as hi + lo
+    pairs (hi alone would be ~1e-3 off), elsewhere the values are widened exactly."""
+    c = make_case(_kernel_case_seqs(case), num_heads, num_kv_heads, head_dim, window=window, page_size=page_size)
+    as_bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+    c = dataclasses.replace(c, kv_cache=as_bf16(c.kv_cache), k_new=as_bf16(c.k_new), v_new=as_bf16(c.v_new))
+    bits = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(c.kv_cache, jnp.bfloat16), jnp.uint16))
+    _, out_f32 = _run(cpu.write_kv, cpu.ragged_paged_attention, c, window, BlockSizes())
+    _, out_bits = _run(
+        cpu.write_kv, cpu.ragged_paged_attention, dataclasses.replace(c, kv_cache=bits), window, BlockSizes()
+    )
+    np.testing.assert_allclose(out_bits, out_f32, atol=2e-5, rtol=2e-5)
+    assert np.all(out_bits[c.num_real_tokens :] == 0)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("page_size", [8, 16])
+def test_cpu_kernel_token_is_bitwise_independent_of_its_batch(dtype, page_size):
     """A token's output is bit-identical computed as a decode, as the last row of a
-    prefill chunk, alone or beside other sequences (its row's arithmetic is its own)."""
-    c = make_case([(1, 37)], 9, 3, 64, page_size=16)
+    prefill chunk, alone or beside other sequences (its row's arithmetic is its own), for
+    either cache dtype (on AMX a bfloat16 decode's scores are computed transposed)."""
+    c = make_case([(1, 37)], 9, 3, 64, page_size=page_size)
     rng = np.random.RandomState(3)
     cache = np.where(np.isnan(c.kv_cache), rng.randn(*c.kv_cache.shape), c.kv_cache).astype(np.float32)
+    if dtype == "bfloat16":
+        cache = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(cache, jnp.bfloat16), jnp.uint16))
     pages = c.page_table[:1]
     q = rng.randn(40, 9, 64).astype(np.float32)
 

@@ -31,6 +31,7 @@ __all__ = [
     "get_kv_cache_shape",
     "ragged_paged_attention",
     "storage_dtype",
+    "uses_amx",
     "write_kv",
 ]
 
@@ -61,6 +62,13 @@ def available() -> bool:
 
 def build_error() -> str:
     return _build()[1]
+
+
+def uses_amx() -> bool:
+    """Whether a bfloat16 cache is read with AMX tile products (built for a CPU with AMX,
+    the process allowed to use it, ``JAXSERVE_CPU_AMX`` not ``0``; head_dim a multiple of
+    32): ~1.7x the vector path on a 500-token prefill, within ~1e-5 of its results."""
+    return available() and bool(cpu_build.kernels().lib.JaxserveAttentionAmx())
 
 
 def write_kv(kv_cache, layer, slot_mapping, k, v, *, interpret: bool = False):
