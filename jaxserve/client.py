@@ -20,9 +20,12 @@ from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
 
 
-def build_request(prompt, request_id: str = "", **sampling) -> pb.GenerateRequest:
-    """A GenerateRequest from a text, a token-id list or chat messages, and sampling fields."""
+def build_request(prompt, request_id: str = "", pin_s: float | None = None, **sampling) -> pb.GenerateRequest:
+    """A GenerateRequest from a text, a token-id list or chat messages, and sampling fields;
+    ``pin_s``: pin the finished request's tokens in the prefix cache that long (a lease)."""
     req = pb.GenerateRequest(request_id=request_id)
+    if pin_s is not None:
+        req.pin_s = pin_s
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and all(isinstance(m, dict) for m in prompt):
@@ -93,6 +96,15 @@ class Client:
 
     def abort(self, request_id: str) -> bool:
         return self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self._md).found
+
+    def pin(self, prompt, ttl_s: float = 60.0, timeout: float | None = None) -> pb.GenerateResponse:
+        """Computes ``prompt`` as a prefill-only request and pins it for ``ttl_s`` seconds:
+        the response's ``lease_id`` (or, refused, ``pin_refused``) and its usage."""
+        return self.generate(prompt, timeout=timeout, max_tokens=0, pin_s=ttl_s)
+
+    def unpin(self, lease_id: str) -> bool:
+        """Ends a lease of this client's now; False if it has ended or expired (or is not ours)."""
+        return self.stub.Unpin(pb.UnpinRequest(lease_id=lease_id), metadata=self._md).found
 
 
 def wait_until_serving(

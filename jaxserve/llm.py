@@ -19,7 +19,7 @@ from jaxserve.engine.request import Request
 from jaxserve.errors import ConfigError, EngineError, RequestError
 from jaxserve.sampling_params import SamplingParams
 
-__all__ = ["LLM", "ChatMessages", "Prompt", "RequestOutput"]
+__all__ = ["LLM", "ChatMessages", "PinnedPrefix", "Prompt", "RequestOutput"]
 
 
 @dataclasses.dataclass
@@ -33,6 +33,16 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     logprobs: list[float] | None = None  # of each generated token (when params.logprobs is set)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclasses.dataclass
+class PinnedPrefix:
+    """A prompt computed and pinned in the prefix cache (``LLM.pin``) until ``LLM.unpin`` or
+    ``ttl_s`` seconds pass."""
+
+    lease_id: str
+    num_tokens: int  # the prompt's tokens, all pinned
+    num_cached_tokens: int  # of which were cached already (not computed by the pin)
 
 
 def _output(r: Request) -> RequestOutput:
@@ -135,6 +145,36 @@ class LLM:
                     yield request.output_text[sent:]
                     sent = len(request.output_text)
 
+    def pin(self, prompt: Prompt, ttl_s: float = 60.0) -> PinnedPrefix:
+        """Computes ``prompt`` (what of it is not cached) as a prefill-only request and pins
+        it in the prefix cache: no request's memory pressure evicts it until ``unpin`` or
+        until ``ttl_s`` seconds have passed (so a crashed caller cannot pin memory forever).
+
+        Raises:
+            RequestError: ``ttl_s`` out of range, no prefix cache, or the pin would take more
+                than half the KV pool (with the other leases).
+        """
+        ids = self.encode(prompt)
+        params = SamplingParams(max_tokens=0)
+        if self.engine.handoff is not None:
+            request = next(sub.request for sub, delta in self._served([ids], params, ttl_s) if delta.finish_reason)
+        else:
+            with self.engine.owned_by_current_thread("an offline LLM.pin call"):
+                request = self.engine.add_request(ids, params, pin_s=ttl_s)
+                for _ in self._steps([request]):
+                    pass
+        if request.lease_id is None:
+            raise RequestError(f"pin: {request.pin_refused or 'the request ended before its prompt was computed'}")
+        return PinnedPrefix(request.lease_id, request.num_prompt_tokens, request.num_cached_tokens)
+
+    def unpin(self, lease: PinnedPrefix | str) -> bool:
+        """Ends a pin now; False if it had ended or expired already."""
+        lease_id = lease.lease_id if isinstance(lease, PinnedPrefix) else lease
+        if self.engine.handoff is not None:
+            return bool(self.engine.handoff.call(lambda engine: engine.unpin(lease_id)))
+        with self.engine.owned_by_current_thread("an offline LLM.unpin call"):
+            return self.engine.unpin(lease_id)
+
     def _steps(self, requests: list[Request]) -> Iterator[None]:
         """Steps the engine (this thread owns it) until ``requests`` finish, yielding after
         each step. Then, or when the caller stops early or a step fails, aborts what is
@@ -150,13 +190,18 @@ class LLM:
             if self.engine.runner.kv_cache_lost and not self.engine.has_unfinished():
                 self.engine.recover()
 
-    def _served(self, encoded: list[list[int]], params: SamplingParams) -> Iterator[tuple[Any, Any]]:
+    def _served(
+        self, encoded: list[list[int]], params: SamplingParams, pin_s: float | None = None
+    ) -> Iterator[tuple[Any, Any]]:
         """Submits every prompt to the serving engine thread at once; yields (submission,
         delta) of each in turn, in prompt order. What is unfinished when the caller stops
         (or a delta reports a failed step) is aborted."""
         handoff = self.engine.handoff
         ids = [f"offline-{uuid.uuid4().hex}" for _ in encoded]
-        subs = [handoff.submit_threadsafe(i, p, params, enforce_limit=False) for i, p in zip(ids, encoded, strict=True)]
+        subs = [
+            handoff.submit_threadsafe(i, p, params, enforce_limit=False, pin_s=pin_s)
+            for i, p in zip(ids, encoded, strict=True)
+        ]
         done = 0
         try:
             for sub in subs:

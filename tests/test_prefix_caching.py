@@ -167,3 +167,81 @@ def test_a_prefill_only_request_caches_its_prompt(tiny_path, overlap):
         llm.scheduler.check_integrity()
     assert reqs[0].output_token_ids == out.token_ids and reqs[1].output_token_ids == []
     assert reqs[1].finish_reason == "length" and llm.stats()["kv_pages_held"] == 0
+
+
+def _run_checked(llm, requests):
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        llm.scheduler.check_integrity()
+    return requests
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_pinned_prefix_survives_pool_pressure_while_leased(tiny_path, overlap):
+    """LLM.pin computes a prompt and leases it: requests that need every other page evict
+    around it, integrity holding every step; after unpin the same pressure evicts it."""
+    llm = _llm(tiny_path, num_pages=40, overlap_scheduling=overlap)  # 39 usable pages of 16
+    rng = random.Random(8)
+    system = [rng.randrange(320) for _ in range(150)]  # 10 pages
+    lease = llm.pin(system, ttl_s=600)
+    assert (lease.num_tokens, lease.num_cached_tokens) == (150, 0)
+    stats = llm.stats()
+    assert stats["leases"] == 1 and stats["kv_pages_pinned"] == 10 and stats["kv_pages_held"] == 0
+    assert stats["prefill_tokens_computed"] == 150
+
+    def pressure():  # 4 x 150 unique tokens at once: 40 pages wanted, so the cache must give way
+        prompts = [[rng.randrange(320) for _ in range(150)] for _ in range(4)]
+        _run_checked(llm, [llm.engine.add_request(p, GREEDY) for p in prompts])
+
+    def cached_of_system() -> int:
+        request = llm.engine.add_request(system + [1, 2, 3], GREEDY)
+        _run_checked(llm, [request])
+        return request.num_cached_tokens
+
+    pressure()
+    assert cached_of_system() == 150  # nothing of it was evicted
+    assert llm.stats()["kv_pages_pinned"] == 10
+    assert llm.unpin(lease) and not llm.unpin(lease)  # a second unpin finds nothing
+    assert llm.stats()["leases"] == 0 and llm.stats()["kv_pages_pinned"] == 0
+    pressure()
+    pressure()
+    assert cached_of_system() < 150  # unpinned, the same pressure evicted it
+
+
+def test_a_lease_that_is_not_released_expires(tiny_path):
+    llm = _llm(tiny_path, num_pages=40)
+    now = [1000.0]
+    llm.kv.clock = lambda: now[0]
+    rng = random.Random(9)
+    system = [rng.randrange(320) for _ in range(100)]
+    lease = llm.pin(system, ttl_s=5)
+    assert llm.stats()["leases"] == 1
+    now[0] += 4.9
+    llm.generate([[1, 2, 3]], GREEDY)  # a schedule: leases are checked there
+    assert llm.stats()["leases"] == 1
+    now[0] += 0.2
+    llm.generate([[1, 2, 3]], GREEDY)
+    assert llm.stats()["leases"] == 0 and llm.stats()["kv_pages_pinned"] == 0
+    assert not llm.unpin(lease)  # expired already
+    llm.scheduler.check_integrity()
+    # a pin of a prefix that is cached already computes only its last token, and reports it
+    again = llm.pin(system, ttl_s=5)
+    assert again.num_cached_tokens == 99 and again.lease_id != lease.lease_id
+
+
+def test_pins_are_capped_at_half_the_pool_and_checked(tiny_path):
+    from jaxserve.errors import RequestError
+
+    llm = _llm(tiny_path, num_pages=40)  # 39 usable: leases may pin 19 pages
+    rng = random.Random(10)
+    first = llm.pin([rng.randrange(320) for _ in range(150)], ttl_s=60)  # 10 pages
+    with pytest.raises(RequestError, match="leases may pin at most 19 of the 39"):
+        llm.pin([rng.randrange(320) for _ in range(150)], ttl_s=60)
+    assert llm.stats()["leases"] == 1  # the refused one's pages are plain cache, unpinned
+    llm.scheduler.check_integrity()
+    for bad in (0, -1, float("nan"), float("inf"), 1e9, "5", True):
+        with pytest.raises(RequestError, match=r"pin_s = .*: must be a number of seconds in \(0, 3600\]"):
+            llm.pin([1, 2, 3], ttl_s=bad)
+    assert llm.unpin(first)
+    with pytest.raises(RequestError, match="pin_s: pinning needs the prefix cache"):
+        _llm(tiny_path, enable_prefix_caching=False).pin([1, 2, 3])

@@ -194,6 +194,9 @@ INVALID = [
     # A huge bad value is not echoed back whole (it came back as RESOURCE_EXHAUSTED).
     (dict(prompt=[{"role": "r" * 1_000_000, "content": "hi"}]), r"role = 'r{40}\.\.\.': must be one of"),
     (dict(prompt="hi", stop=["s" * 1_000_000]), r"stop = \('s+\.\.\. \(1000005 characters\): must be"),
+    (dict(prompt="hi", pin_s=0.0), r"pin_s = 0.0: must be a number of seconds in \(0, 3600\]"),
+    (dict(prompt="hi", pin_s=float("nan")), r"pin_s = nan: must be a number of seconds"),
+    (dict(prompt="hi", pin_s=1e9), r"pin_s = 1000000000.0: must be a number of seconds"),
 ]
 
 
@@ -427,3 +430,25 @@ def test_a_prefill_only_request_over_grpc(served):
         assert parts[-1].finish_reason == pb.FINISH_REASON_LENGTH and not any(p.token_ids for p in parts)
         assert c.generate(prompt + [5, 6], max_tokens=3, **GREEDY, timeout=60).usage.cached_tokens == 70
     assert llm.stats()["kv_pages_held"] == 0
+
+
+def test_a_pinned_prefix_over_grpc(served):
+    """pin_s leases the finished request's tokens; stats count them; Unpin ends the lease,
+    once, and only for the client that made it (others read it as not found)."""
+    llm, server, addr, _ = served
+    prompt = rng_tokens(70, 320, seed=22)
+    with Client(addr) as c:
+        warm = c.pin(prompt, ttl_s=120, timeout=60)
+        assert warm.lease_id.startswith("lease-") and not warm.pin_refused
+        assert warm.usage.prompt_tokens == 70 and list(warm.token_ids) == []
+        stats = c.server_stats()
+        assert stats.leases == 1 and stats.kv_pages_pinned == 5  # 70 tokens, pages of 16
+        assert c.generate(prompt + [7], max_tokens=2, **GREEDY, timeout=60).usage.cached_tokens == 70
+        streamed = list(c.stream(prompt[:40], max_tokens=1, pin_s=30, **GREEDY, timeout=60))
+        assert streamed[-1].lease_id and not any(p.lease_id for p in streamed[:-1])
+        assert server.engine_thread.call(lambda e: e.unpin(streamed[-1].lease_id, client="someone else")) is False
+        assert c.unpin(warm.lease_id) and not c.unpin(warm.lease_id)
+        assert c.unpin(streamed[-1].lease_id)
+        assert c.server_stats().leases == 0 and c.server_stats().kv_pages_pinned == 0
+        assert not c.unpin("lease-nonexistent")
+    server.engine_thread.call(lambda e: e.scheduler.check_integrity())

@@ -22,9 +22,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from jaxserve.engine.engine import Engine
+from jaxserve.engine.engine import Engine, check_pin_s
 from jaxserve.engine.request import Request
-from jaxserve.errors import JaxServeError
+from jaxserve.errors import JaxServeError, RequestError
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,8 @@ class Delta:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None  # the engine failed this step: the request ended without a result
+    lease_id: str | None = None  # asked to pin (pin_s): the lease, or None and why in pin_refused
+    pin_refused: str = ""
 
 
 @dataclasses.dataclass
@@ -169,7 +171,14 @@ class EngineThread:
     def num_active(self) -> int:
         return len(self._streams)
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, client: str = "") -> asyncio.Queue:
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        client: str = "",
+        pin_s: float | None = None,
+    ) -> asyncio.Queue:
         """Queues a request from an asyncio loop; returns the asyncio queue its deltas arrive on.
 
         Raises:
@@ -183,22 +192,37 @@ class EngineThread:
         submission = Submission(
             push, deltas, client, len(prompt_ids) + params.max_tokens, submitted_at=time.monotonic()
         )
-        self._submit(submission, request_id, prompt_ids, params, True)
+        self._submit(submission, request_id, prompt_ids, params, True, pin_s)
         return deltas
 
     def submit_threadsafe(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, enforce_limit: bool = True
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        enforce_limit: bool = True,
+        pin_s: float | None = None,
     ) -> Submission:
         """Queues a request from a plain thread; its deltas arrive on ``.deltas`` (a queue.Queue).
         ``enforce_limit=False``: the caller is a local offline batch, not a client to refuse."""
         deltas: queue.Queue = queue.Queue()
         submission = Submission(deltas.put, deltas, submitted_at=time.monotonic())
-        self._submit(submission, request_id, prompt_ids, params, enforce_limit)
+        self._submit(submission, request_id, prompt_ids, params, enforce_limit, pin_s)
         return submission
 
     def _submit(
-        self, stream: Submission, request_id: str, prompt_ids: list[int], params: SamplingParams, enforce_limit: bool
+        self,
+        stream: Submission,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        enforce_limit: bool,
+        pin_s: float | None = None,
     ) -> None:
+        if pin_s is not None:  # here, on the caller's thread: the engine thread must not raise
+            check_pin_s(pin_s)
+            if not self.engine.scheduler.kv.prefix_caching:
+                raise RequestError("pin_s: pinning needs the prefix cache (enable_prefix_caching: true)")
         with self._lock:
             if self._closed:
                 raise EngineStoppedError("the engine thread has stopped; it takes no more requests")
@@ -211,7 +235,7 @@ class EngineThread:
             held = self._in_flight[stream.client]
             held[0] += 1
             held[1] += stream.tokens
-        self._commands.put(("add", request_id, prompt_ids, params))
+        self._commands.put(("add", request_id, prompt_ids, params, pin_s))
 
     def _check_limits(self, stream: Submission) -> None:
         if self.num_waiting >= self.max_waiting_requests:
@@ -254,6 +278,8 @@ class EngineThread:
     def call(self, fn: Callable[[Engine], object], timeout: float | None = 60) -> object:
         """Runs ``fn(engine)`` on the engine thread between steps and returns its result
         (e.g. the scheduler's ``check_integrity`` while serving: only that thread may look inside)."""
+        if self._closed:
+            raise EngineStoppedError("the engine thread has stopped")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("call", fn, future))
         return future.result(timeout)
@@ -277,17 +303,19 @@ class EngineThread:
             delta.prompt_tokens = r.num_prompt_tokens
             delta.completion_tokens = r.num_output_tokens
             delta.cached_tokens = r.num_cached_tokens
+            delta.lease_id = r.lease_id
+            delta.pin_refused = r.pin_refused
         return delta
 
     def _handle(self, command: tuple) -> None:
         if command[0] == "add":
-            _, request_id, prompt_ids, params = command
+            _, request_id, prompt_ids, params, pin_s = command
             with self._lock:
                 self._pending -= 1
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.request = self.engine.add_request(
-                    prompt_ids, params, request_id=request_id, client=stream.client
+                    prompt_ids, params, request_id=request_id, client=stream.client, pin_s=pin_s
                 )
         elif command[0] == "call":
             _, fn, future = command

@@ -31,11 +31,20 @@ from typing import Any
 from jaxserve.engine.output import OutputStage
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Pending, Sampled, Scheduler, SchedulerOutput
-from jaxserve.errors import JaxServeError
+from jaxserve.errors import JaxServeError, RequestError
 from jaxserve.runner import compile_counter
 from jaxserve.runner.batch import ScheduledSeq
 from jaxserve.runner.model_runner import ModelRunner, SeqSampling
 from jaxserve.sampling_params import SamplingParams
+
+MAX_PIN_S = 3600.0  # the longest lease one request may ask for
+
+
+def check_pin_s(pin_s) -> None:
+    """Raises RequestError unless ``pin_s`` is a number of seconds in (0, MAX_PIN_S]."""
+    ok = isinstance(pin_s, int | float) and not isinstance(pin_s, bool) and 0 < pin_s <= MAX_PIN_S
+    if not ok:
+        raise RequestError(f"pin_s = {pin_s!r}: must be a number of seconds in (0, {MAX_PIN_S:g}]")
 
 
 class EngineBusyError(JaxServeError):
@@ -115,14 +124,29 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------
     def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None, client: str = ""
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        client: str = "",
+        pin_s: float | None = None,
     ) -> Request:
-        """Queues a request; ``client`` names who asked (fair admission shares slots by it)."""
+        """Queues a request; ``client`` names who asked (fair admission shares slots by it).
+        ``pin_s``: when it finishes, its tokens stay pinned in the prefix cache for that many
+        seconds (``request.lease_id``; ``unpin`` ends it sooner).
+
+        Raises:
+            RequestError: ``pin_s`` out of range, or pinning without a prefix cache.
+        """
         self._check_owner("add_request")
+        if pin_s is not None:
+            check_pin_s(pin_s)
+            if not self.scheduler.kv.prefix_caching:
+                raise RequestError("pin_s: pinning needs the prefix cache (enable_prefix_caching: true)")
         request_id = request_id or f"req-{next(self._ids)}"
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        request = Request(request_id, list(prompt_token_ids), params, seed, frozenset(stop), client=client)
+        request = Request(request_id, list(prompt_token_ids), params, seed, frozenset(stop), client=client, pin_s=pin_s)
         self.requests[request_id] = request
         self.output.add(request)
         self.scheduler.add(request)
@@ -134,6 +158,12 @@ class Engine:
         self.output.drop(request_id)
         if request is not None:
             self.scheduler.abort(request)
+
+    def unpin(self, lease_id: str, client: str | None = None) -> bool:
+        """Ends a lease (``add_request(pin_s=...)``); False if it has ended or expired
+        already or, with ``client``, was made by another client."""
+        self._check_owner("unpin")
+        return self.scheduler.kv.prefix_caching and self.scheduler.kv.unpin(lease_id, client)
 
     def recover(self) -> bool:
         """After a failed step whose requests have all been ended: if the step had taken the

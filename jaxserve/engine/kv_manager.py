@@ -16,22 +16,45 @@ decides who runs and how many tokens; for pages it asks:
 * ``commit(request, n)``: ``n`` more tokens were computed; prefill chunks go to the
   prefix cache at once, so later requests (and the next turn of a chat) reuse them, and
   the request's lock on the radix tree moves to the deepest node.
-* ``free(request, keep_cached)``: the pages go back (cached nodes keep their own
-  references); its computed tokens are cached first when ``keep_cached``.
+* ``free(request, keep_cached, pin_s)``: the pages go back (cached nodes keep their own
+  references); its computed tokens are cached first when ``keep_cached``, and with
+  ``pin_s`` the request's lock on them passes to a lease instead of being dropped.
+
+Leases pin a cached prefix (a frontend warms a shared prefix with a prefill-only request,
+then runs a batch against it): the lease holds a lock on the prefix's radix path, as a
+running request does, so nothing on it is evicted until ``unpin`` or until it expires
+(``expire_leases``, called every schedule: a client that never unpins cannot hold
+memory for longer than the lease it asked for). Leases together pin at most
+``MAX_PINNED_FRACTION`` of the pool; a pin past that is refused, not queued.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from jaxserve.engine.page_pool import PagePool
-from jaxserve.engine.radix_index import RadixIndex
+from jaxserve.engine.radix_index import RadixIndex, RadixNode
 from jaxserve.engine.request import Request
 
 PREFIX_MATCH_MODES = ("token", "page")
 
 PageCopy = tuple[int, int]  # (src, dst), run on the device before the step
+MAX_PINNED_FRACTION = 0.5  # of the usable pages, over all leases
+
+
+@dataclasses.dataclass
+class Lease:
+    """A pinned prefix: its radix path is locked until ``expires_at`` (``clock`` seconds)."""
+
+    lease_id: str
+    node: RadixNode
+    num_tokens: int
+    expires_at: float
+    client: str = ""  # who made it (the request's client): only they may end it
 
 
 class KVManager:
@@ -44,6 +67,9 @@ class KVManager:
         self.prefix_match = prefix_match
         self.hit_tokens = 0  # prompt tokens admissions took from the cache
         self.queried_tokens = 0  # tokens of the admitted requests
+        self.leases: dict[str, Lease] = {}
+        self._lease_ids = itertools.count(1)
+        self.clock: Callable[[], float] = time.monotonic  # lease expiry (tests set their own)
 
     @property
     def prefix_caching(self) -> bool:
@@ -116,13 +142,16 @@ class KVManager:
         if num_tokens > 1 or request.num_tokens_to_compute > 0:
             self._publish(request)
 
-    def free(self, request: Request, keep_cached: bool) -> None:
-        """Releases the request's pages, caching its computed tokens first if asked."""
+    def free(self, request: Request, keep_cached: bool, pin_s: float | None = None) -> None:
+        """Releases the request's pages, caching its computed tokens first if asked; with
+        ``pin_s`` (and ``keep_cached``) they stay pinned for that many seconds: the lease's
+        id goes to ``request.lease_id``, or why not to ``request.pin_refused``."""
         if self.index is not None:
             if keep_cached:
                 self._publish(request)
             if request.cache_node is not None:
-                self.index.unlock(request.cache_node)
+                if not (keep_cached and pin_s is not None and self._lease(request, pin_s)):
+                    self.index.unlock(request.cache_node)
                 request.cache_node = None
         self.pool.release(request.pages)
         request.pages = []
@@ -138,11 +167,53 @@ class KVManager:
             self.index.unlock(request.cache_node)
         request.cache_node = leaf
 
+    # -- leases ------------------------------------------------------------------------
+    def _lease(self, request: Request, pin_s: float) -> bool:
+        """Turns the request's lock on its cached tokens into a lease, if the pinned pages
+        stay within MAX_PINNED_FRACTION of the pool."""
+        node, n = request.cache_node, request.num_computed_tokens
+        pinned = self._pinned_pages()
+        path = set(self.index._path_pages(node, node.end))
+        limit = int(self.pool.num_usable * MAX_PINNED_FRACTION)
+        if len(pinned | path) > limit:
+            request.pin_refused = (
+                f"pinning its {n} tokens would pin {len(pinned | path)} KV pages; leases may pin at most "
+                f"{limit} of the {self.pool.num_usable} (unpin others first)"
+            )
+            return False
+        lease = Lease(f"lease-{next(self._lease_ids)}", node, n, self.clock() + pin_s, request.client)
+        self.leases[lease.lease_id] = lease
+        request.lease_id = lease.lease_id
+        return True
+
+    def unpin(self, lease_id: str, client: str | None = None) -> bool:
+        """Ends a lease now; False if there is none by that id (ended or expired) or, with
+        ``client``, it is another client's."""
+        lease = self.leases.get(lease_id)
+        if lease is None or (client is not None and lease.client != client):
+            return False
+        del self.leases[lease_id]
+        self.index.unlock(lease.node)
+        return True
+
+    def expire_leases(self) -> int:
+        """Ends every lease past its time; returns how many."""
+        now = self.clock()
+        expired = [i for i, lease in self.leases.items() if lease.expires_at <= now]
+        for lease_id in expired:
+            self.unpin(lease_id)
+        return len(expired)
+
+    def _pinned_pages(self) -> set[int]:
+        return {p for lease in self.leases.values() for p in self.index._path_pages(lease.node, lease.node.end)}
+
     # -- the whole cache -----------------------------------------------------------------
     def clear_cache(self) -> None:
-        """Drops every cached prefix no request holds (e.g. after the device KV cache was
-        lost: their pages hold nothing valid)."""
+        """Drops every lease and every cached prefix no request holds (e.g. after the device
+        KV cache was lost: their pages hold nothing valid)."""
         if self.index is not None:
+            for lease_id in list(self.leases):
+                self.unpin(lease_id)
             self.index.evict(self.pool.num_pages)
 
     def usage(self, holders: Iterable[Request]) -> dict[str, int]:
@@ -154,6 +225,8 @@ class KVManager:
             "kv_pages_cached": self.pool.num_in_use - held,
             "kv_pages_total": self.pool.num_usable,
             "kv_pages_free": self.pool.num_free,
+            "kv_pages_pinned": len(self._pinned_pages()) if self.index is not None else 0,
+            "leases": len(self.leases),
         }
 
     def check_integrity(self, holders: Iterable[Request]) -> None:
@@ -163,6 +236,17 @@ class KVManager:
         if self.index is not None:
             self.index.check_integrity()
             refs = self.index.page_refs()
+            # Node locks: the root's own, one per running request's node and one per lease,
+            # each along its whole path.
+            locks = Counter({id(self.index.root): 1})
+            for node in [r.cache_node for r in holders if r.cache_node is not None] + [
+                lease.node for lease in self.leases.values()
+            ]:
+                while node is not None:
+                    locks[id(node)] += 1
+                    node = node.parent
+            for node in self.index.nodes():
+                assert node.ref == locks[id(node)], f"radix node ref {node.ref} != {locks[id(node)]} locks"
         for r in holders:
             assert r.num_computed_tokens <= len(r.pages) * self.page_size, f"{r.request_id}: computed beyond its pages"
             refs.update(r.pages)

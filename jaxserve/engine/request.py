@@ -63,6 +63,9 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_pending: int = 0  # tokens a step in flight will give it (0 or 1; overlap scheduling)
     client: str = ""  # who asked (server: identity or peer); fair admission shares slots by it
+    pin_s: float | None = None  # when it finishes, pin its cached tokens for this long (a lease)
+    lease_id: str | None = None  # the lease that pin made
+    pin_refused: str = ""  # or why it made none
     num_prompt_tokens: int = dataclasses.field(init=False)  # len(token_ids) as given
 
     def __post_init__(self):

@@ -140,7 +140,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         # prompt + output so far go to the prefix cache: the next turn of a chat reuses them
-        self.kv.free(request, keep_cached=status is not RequestStatus.FINISHED_ABORTED)
+        finished = status is not RequestStatus.FINISHED_ABORTED
+        self.kv.free(request, keep_cached=finished, pin_s=request.pin_s if finished else None)
         request.status = status
 
     def _preempt(self, request: Request, keep_cached: bool = False) -> None:
@@ -249,6 +250,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(scheduled=[])
         self.num_steps += 1
+        if self.kv.leases:
+            self.kv.expire_leases()
 
         def budget() -> int:
             return self.max_num_batched_tokens - out.num_decode_tokens - out.num_prefill_tokens

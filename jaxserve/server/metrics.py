@@ -38,6 +38,8 @@ class _Live:
             ("jaxserve_requests_running", "requests_running", "Requests in the running batch"),
             ("jaxserve_kv_pages_total", "kv_pages_total", "KV pages in the pool"),
             ("jaxserve_compiles", "num_compiles", "XLA compiles since start"),
+            ("jaxserve_kv_pages_pinned", "kv_pages_pinned", "KV pages on leased (pinned) prefixes, of the cached"),
+            ("jaxserve_leases", "leases", "Leases pinning a prefix in the cache"),
         ):
             yield GaugeMetricFamily(name, doc, value=s.get(key, 0))
         pages = GaugeMetricFamily(

@@ -18,6 +18,7 @@ import grpc
 
 from jaxserve.assembly import EngineHandle
 from jaxserve.engine.async_engine import Delta, EngineStoppedError, EngineThread, QueueFullError, RequestIdInUseError
+from jaxserve.engine.engine import check_pin_s
 from jaxserve.errors import RequestError
 from jaxserve.server.auth import TokenAuth, peer_identity
 from jaxserve.server.config import ServerConfig
@@ -29,8 +30,8 @@ from jaxserve.server.validation import validate
 MAX_DETAILS_CHARS = 1000  # status details travel as metadata: never echo a large input back
 LARGE_REQUEST_BYTES = 64 * 1024
 
-_LIVE_FIGURES = ("requests_waiting", "requests_running", "num_compiles") + tuple(
-    f"kv_pages_{state}" for state in ("held", "cached", "free", "total")
+_LIVE_FIGURES = ("requests_waiting", "requests_running", "num_compiles", "leases") + tuple(
+    f"kv_pages_{state}" for state in ("held", "cached", "free", "total", "pinned")
 )
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
@@ -54,6 +55,8 @@ def _fill(msg, delta: Delta) -> None:
                 cached_tokens=delta.cached_tokens,
             )
         )
+        msg.lease_id = delta.lease_id or ""
+        msg.pin_refused = delta.pin_refused
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
@@ -105,13 +108,18 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "shutting_down", "the server is shutting down")
         loop = asyncio.get_running_loop()
         pool = self._validate_large if request.ByteSize() > LARGE_REQUEST_BYTES else self._validate_small
+        pin_s = request.pin_s if request.HasField("pin_s") else None
         try:
+            if pin_s is not None:
+                check_pin_s(pin_s)
             ids, params = await loop.run_in_executor(pool, validate, request, self.handle, self.limits)
         except RequestError as e:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e))
         request_id = request.request_id or f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         try:
-            return request_id, self.engine.submit(request_id, ids, params, client=self.client(context))
+            return request_id, self.engine.submit(request_id, ids, params, client=self.client(context), pin_s=pin_s)
+        except RequestError as e:  # pin_s without a prefix cache
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e))
         except QueueFullError as e:
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, e.reason, str(e))
         except EngineStoppedError as e:
@@ -162,6 +170,15 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
 
     async def Abort(self, request, context):
         return pb.AbortResponse(found=self.engine.abort(request.request_id, client=self.client(context)))
+
+    async def Unpin(self, request, context):
+        lease_id, client = request.lease_id, self.client(context)
+        loop = asyncio.get_running_loop()
+        try:  # on the engine thread, between steps; waited for off the event loop
+            found = await loop.run_in_executor(None, self.engine.call, lambda e: e.unpin(lease_id, client))
+        except EngineStoppedError as e:
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "shutting_down", str(e))
+        return pb.UnpinResponse(found=bool(found))
 
     async def GetServerStats(self, request, context):
         s = self.engine.snapshot

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajaxserve/v1/jaxserve.proto\x12\x0bjaxserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x96\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\r\n\x0b_min_tokensB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokens\"\xcc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.jaxserve.v1.ChatMessagesH\x00\x12\x34\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParamsB\x08\n\x06prompt\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"9\n\x0bTopLogprobs\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xa3\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x18.jaxserve.v1.TopLogprobs\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12!\n\x05usage\x18\t \x01(\x0b\x32\x12.jaxserve.v1.UsageB\r\n\x0bstop_reason\"\x9d\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x18.jaxserve.v1.TopLogprobs\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12!\n\x05usage\x18\t \x01(\x0b\x32\x12.jaxserve.v1.UsageB\r\n\x0bstop_reason\"\x15\n\x13GetModelInfoRequest\"\xc4\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x11\n\tnum_pages\x18\x07 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\t \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x17\n\x15GetServerStatsRequest\"\xbb\x03\n\x0bServerStats\x12\x18\n\x10requests_waiting\x18\x01 \x01(\x05\x12\x18\n\x10requests_running\x18\x02 \x01(\x05\x12\x15\n\rkv_pages_held\x18\x03 \x01(\x05\x12\x17\n\x0fkv_pages_cached\x18\x04 \x01(\x05\x12\x15\n\rkv_pages_free\x18\x05 \x01(\x05\x12\x16\n\x0ekv_pages_total\x18\x06 \x01(\x05\x12\x14\n\x0cnum_compiles\x18\x07 \x01(\x03\x12G\n\x10requests_aborted\x18\x08 \x03(\x0b\x32-.jaxserve.v1.ServerStats.RequestsAbortedEntry\x12I\n\x11requests_rejected\x18\t \x03(\x0b\x32..jaxserve.v1.ServerStats.RequestsRejectedEntry\x1a\x36\n\x14RequestsAbortedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x37\n\x15RequestsRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x84\x03\n\x08JaxServe\x12G\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse\x12U\n\x0eStreamGenerate\x12\x1c.jaxserve.v1.GenerateRequest\x1a#.jaxserve.v1.GenerateStreamResponse0\x01\x12H\n\x0cGetModelInfo\x12 .jaxserve.v1.GetModelInfoRequest\x1a\x16.jaxserve.v1.ModelInfo\x12>\n\x05\x41\x62ort\x12\x19.jaxserve.v1.AbortRequest\x1a\x1a.jaxserve.v1.AbortResponse\x12N\n\x0eGetServerStats\x12\".jaxserve.v1.GetServerStatsRequest\x1a\x18.jaxserve.v1.ServerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajaxserve/v1/jaxserve.proto\x12\x0bjaxserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x96\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\r\n\x0b_min_tokensB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokens\"\xea\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.jaxserve.v1.ChatMessagesH\x00\x12\x34\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParams\x12\x12\n\x05pin_s\x18\x06 \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06promptB\x08\n\x06_pin_s\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"9\n\x0bTopLogprobs\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xca\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x18.jaxserve.v1.TopLogprobs\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12!\n\x05usage\x18\t \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12\x10\n\x08lease_id\x18\n \x01(\t\x12\x13\n\x0bpin_refused\x18\x0b \x01(\tB\r\n\x0bstop_reason\"\xc4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x18.jaxserve.v1.TopLogprobs\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12!\n\x05usage\x18\t \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12\x10\n\x08lease_id\x18\n \x01(\t\x12\x13\n\x0bpin_refused\x18\x0b \x01(\tB\r\n\x0bstop_reason\"\x15\n\x13GetModelInfoRequest\"\xc4\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x11\n\tnum_pages\x18\x07 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\t \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x17\n\x15GetServerStatsRequest\"\xe4\x03\n\x0bServerStats\x12\x18\n\x10requests_waiting\x18\x01 \x01(\x05\x12\x18\n\x10requests_running\x18\x02 \x01(\x05\x12\x15\n\rkv_pages_held\x18\x03 \x01(\x05\x12\x17\n\x0fkv_pages_cached\x18\x04 \x01(\x05\x12\x15\n\rkv_pages_free\x18\x05 \x01(\x05\x12\x16\n\x0ekv_pages_total\x18\x06 \x01(\x05\x12\x14\n\x0cnum_compiles\x18\x07 \x01(\x03\x12G\n\x10requests_aborted\x18\x08 \x03(\x0b\x32-.jaxserve.v1.ServerStats.RequestsAbortedEntry\x12I\n\x11requests_rejected\x18\t \x03(\x0b\x32..jaxserve.v1.ServerStats.RequestsRejectedEntry\x12\x17\n\x0fkv_pages_pinned\x18\n \x01(\x05\x12\x0e\n\x06leases\x18\x0b \x01(\x05\x1a\x36\n\x14RequestsAbortedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x37\n\x15RequestsRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\" \n\x0cUnpinRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x1e\n\rUnpinResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc4\x03\n\x08JaxServe\x12G\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse\x12U\n\x0eStreamGenerate\x12\x1c.jaxserve.v1.GenerateRequest\x1a#.jaxserve.v1.GenerateStreamResponse0\x01\x12H\n\x0cGetModelInfo\x12 .jaxserve.v1.GetModelInfoRequest\x1a\x16.jaxserve.v1.ModelInfo\x12>\n\x05\x41\x62ort\x12\x19.jaxserve.v1.AbortRequest\x1a\x1a.jaxserve.v1.AbortResponse\x12N\n\x0eGetServerStats\x12\".jaxserve.v1.GetServerStatsRequest\x1a\x18.jaxserve.v1.ServerStats\x12>\n\x05Unpin\x12\x19.jaxserve.v1.UnpinRequest\x1a\x1a.jaxserve.v1.UnpinResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVERSTATS_REQUESTSABORTEDENTRY']._serialized_options = b'8\001'
   _globals['_SERVERSTATS_REQUESTSREJECTEDENTRY']._loaded_options = None
   _globals['_SERVERSTATS_REQUESTSREJECTEDENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2581
-  _globals['_FINISHREASON']._serialized_end=2701
+  _globals['_FINISHREASON']._serialized_start=2796
+  _globals['_FINISHREASON']._serialized_end=2916
   _globals['_CHATMESSAGE']._serialized_start=43
   _globals['_CHATMESSAGE']._serialized_end=87
   _globals['_CHATMESSAGES']._serialized_start=89
@@ -46,33 +46,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=175
   _globals['_SAMPLINGPARAMS']._serialized_end=837
   _globals['_GENERATEREQUEST']._serialized_start=840
-  _globals['_GENERATEREQUEST']._serialized_end=1044
-  _globals['_TOKENLOGPROB']._serialized_start=1046
-  _globals['_TOKENLOGPROB']._serialized_end=1095
-  _globals['_TOPLOGPROBS']._serialized_start=1097
-  _globals['_TOPLOGPROBS']._serialized_end=1154
-  _globals['_USAGE']._serialized_start=1156
-  _globals['_USAGE']._serialized_end=1236
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1239
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1530
-  _globals['_GENERATERESPONSE']._serialized_start=1533
-  _globals['_GENERATERESPONSE']._serialized_end=1818
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1820
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1841
-  _globals['_MODELINFO']._serialized_start=1844
-  _globals['_MODELINFO']._serialized_end=2040
-  _globals['_ABORTREQUEST']._serialized_start=2042
-  _globals['_ABORTREQUEST']._serialized_end=2076
-  _globals['_ABORTRESPONSE']._serialized_start=2078
-  _globals['_ABORTRESPONSE']._serialized_end=2108
-  _globals['_GETSERVERSTATSREQUEST']._serialized_start=2110
-  _globals['_GETSERVERSTATSREQUEST']._serialized_end=2133
-  _globals['_SERVERSTATS']._serialized_start=2136
-  _globals['_SERVERSTATS']._serialized_end=2579
-  _globals['_SERVERSTATS_REQUESTSABORTEDENTRY']._serialized_start=2468
-  _globals['_SERVERSTATS_REQUESTSABORTEDENTRY']._serialized_end=2522
-  _globals['_SERVERSTATS_REQUESTSREJECTEDENTRY']._serialized_start=2524
-  _globals['_SERVERSTATS_REQUESTSREJECTEDENTRY']._serialized_end=2579
-  _globals['_JAXSERVE']._serialized_start=2704
-  _globals['_JAXSERVE']._serialized_end=3092
+  _globals['_GENERATEREQUEST']._serialized_end=1074
+  _globals['_TOKENLOGPROB']._serialized_start=1076
+  _globals['_TOKENLOGPROB']._serialized_end=1125
+  _globals['_TOPLOGPROBS']._serialized_start=1127
+  _globals['_TOPLOGPROBS']._serialized_end=1184
+  _globals['_USAGE']._serialized_start=1186
+  _globals['_USAGE']._serialized_end=1266
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1269
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1599
+  _globals['_GENERATERESPONSE']._serialized_start=1602
+  _globals['_GENERATERESPONSE']._serialized_end=1926
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1928
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1949
+  _globals['_MODELINFO']._serialized_start=1952
+  _globals['_MODELINFO']._serialized_end=2148
+  _globals['_ABORTREQUEST']._serialized_start=2150
+  _globals['_ABORTREQUEST']._serialized_end=2184
+  _globals['_ABORTRESPONSE']._serialized_start=2186
+  _globals['_ABORTRESPONSE']._serialized_end=2216
+  _globals['_GETSERVERSTATSREQUEST']._serialized_start=2218
+  _globals['_GETSERVERSTATSREQUEST']._serialized_end=2241
+  _globals['_SERVERSTATS']._serialized_start=2244
+  _globals['_SERVERSTATS']._serialized_end=2728
+  _globals['_SERVERSTATS_REQUESTSABORTEDENTRY']._serialized_start=2617
+  _globals['_SERVERSTATS_REQUESTSABORTEDENTRY']._serialized_end=2671
+  _globals['_SERVERSTATS_REQUESTSREJECTEDENTRY']._serialized_start=2673
+  _globals['_SERVERSTATS_REQUESTSREJECTEDENTRY']._serialized_end=2728
+  _globals['_UNPINREQUEST']._serialized_start=2730
+  _globals['_UNPINREQUEST']._serialized_end=2762
+  _globals['_UNPINRESPONSE']._serialized_start=2764
+  _globals['_UNPINRESPONSE']._serialized_end=2794
+  _globals['_JAXSERVE']._serialized_start=2919
+  _globals['_JAXSERVE']._serialized_end=3371
 # @@protoc_insertion_point(module_scope)

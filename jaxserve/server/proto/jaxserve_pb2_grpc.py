@@ -59,6 +59,11 @@ class JaxServeStub:
                 request_serializer=jaxserve_dot_v1_dot_jaxserve__pb2.GetServerStatsRequest.SerializeToString,
                 response_deserializer=jaxserve_dot_v1_dot_jaxserve__pb2.ServerStats.FromString,
                 _registered_method=True)
+        self.Unpin = channel.unary_unary(
+                '/jaxserve.v1.JaxServe/Unpin',
+                request_serializer=jaxserve_dot_v1_dot_jaxserve__pb2.UnpinRequest.SerializeToString,
+                response_deserializer=jaxserve_dot_v1_dot_jaxserve__pb2.UnpinResponse.FromString,
+                _registered_method=True)
 
 
 class JaxServeServicer:
@@ -99,6 +104,14 @@ class JaxServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Unpin(self, request, context):
+        """Ends a lease (GenerateRequest.pin_s) now. Only the client that made it may: another
+        client's lease ids read as not found.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JaxServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +139,11 @@ def add_JaxServeServicer_to_server(servicer, server):
                     servicer.GetServerStats,
                     request_deserializer=jaxserve_dot_v1_dot_jaxserve__pb2.GetServerStatsRequest.FromString,
                     response_serializer=jaxserve_dot_v1_dot_jaxserve__pb2.ServerStats.SerializeToString,
+            ),
+            'Unpin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unpin,
+                    request_deserializer=jaxserve_dot_v1_dot_jaxserve__pb2.UnpinRequest.FromString,
+                    response_serializer=jaxserve_dot_v1_dot_jaxserve__pb2.UnpinResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +281,33 @@ class JaxServe:
             '/jaxserve.v1.JaxServe/GetServerStats',
             jaxserve_dot_v1_dot_jaxserve__pb2.GetServerStatsRequest.SerializeToString,
             jaxserve_dot_v1_dot_jaxserve__pb2.ServerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unpin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.JaxServe/Unpin',
+            jaxserve_dot_v1_dot_jaxserve__pb2.UnpinRequest.SerializeToString,
+            jaxserve_dot_v1_dot_jaxserve__pb2.UnpinResponse.FromString,
             options,
             channel_credentials,
             insecure,
