@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from jaxserve import bench
 
-    p = sub.add_parser("bench", help="benchmarks: serve | offline | latency | prefix-cache | compare")
+    p = sub.add_parser("bench", help="benchmarks: serve | offline | latency | prefix-cache | compare | agent")
     bench.add_parsers(p)
 
     p = sub.add_parser(

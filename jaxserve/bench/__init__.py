@@ -6,6 +6,7 @@ reads the same ``--config`` / ``--set`` as ``jaxserve run``.
     jaxserve bench latency        one stream: prefill time and decode ms/token
     jaxserve bench prefix-cache   prefix caching off / page / token on shared prefixes
     jaxserve bench compare        one serve workload against servers of several configs
+    jaxserve bench agent          a jaxserve.lang program's batch, warmed / not / no cache
 
 Each prints what it measured, the machine's CPU and the command that reproduces it.
 """
@@ -27,6 +28,7 @@ SUBCOMMANDS = {
     "latency": ("latency", "one stream: prefill time and decode ms/token"),
     "prefix-cache": ("prefix_cache", "prefix caching off / page / token on shared-prefix workloads"),
     "compare": ("compare", "the same serve workload against servers started with different configs"),
+    "agent": ("programs", "the seed's agent program (jaxserve.lang) with and without its shared prefix warmed"),
 }
 
 

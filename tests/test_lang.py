@@ -1,0 +1,165 @@
+"""Frontend programs (jaxserve.lang) on a tiny model: tracing, run_batch's warm-up, forks,
+streaming, errors, and the same outputs offline and over gRPC."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve import LLM, lang
+from tests.conftest import tiny_server
+
+SYSTEM = "The capital of France is Paris. Machine learning and deep learning are fun. " * 6
+TASKS = ["Paris", "Machine", "deep", "France", "fun", "capital", "learning", "The"]  # distinct first tokens
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@lang.function
+def agent(s, task):
+    s += lang.system(SYSTEM)
+    s += lang.user("Task: ", task)  # two parts: "Task: " is shared, the task is not
+    s += lang.assistant("Analysis: " + lang.gen("analysis", max_tokens=6, **GREEDY))
+    s += lang.user("Action?")
+    s += lang.assistant(lang.gen("action", max_tokens=4, **GREEDY))
+
+
+@lang.function
+def branchy(s, task):
+    s += lang.system(SYSTEM)
+    if task.startswith("P"):  # the path depends on the argument: sharing must stop here
+        s += "Short answer. "
+    else:
+        s += "Long answer. "
+    s += lang.gen("answer", max_tokens=3, **GREEDY)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tiny_model_dir):
+    return tiny_model_dir("llama3")[0]
+
+
+def _llm(path) -> LLM:
+    return LLM(str(path), dtype="float32", page_size=16, num_pages=300, max_num_seqs=8,
+               max_num_batched_tokens=64, progress=False, warmup=False)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_path):
+    return _llm(tiny_path)
+
+
+def test_trace_shares_the_system_prompt_and_not_the_task(llm):
+    backend = lang.LLMBackend(llm)
+    try:
+        trace = agent.trace(backend)
+        sys_begin, sys_end = backend.roles["system"]
+        user_begin, _ = backend.roles["user"]
+        assert trace.shared_text == sys_begin + SYSTEM + sys_end + user_begin + "Task: "
+        assert trace.shared_token_ids == sum(
+            map(backend.encode, [sys_begin, SYSTEM, sys_end, user_begin, "Task: "]), []
+        )
+        assert [(c.name, c.shared_tokens, c.prompt_is_shared) for c in trace.calls] == [
+            ("analysis", len(trace.shared_token_ids), False),
+            ("action", len(trace.shared_token_ids), False),
+        ]
+        assert not trace.stopped
+        # every real run's prompt starts with the shared ids
+        state = agent.run(backend, task="Paris")
+        assert state.token_ids[: len(trace.shared_token_ids)] == trace.shared_token_ids
+    finally:
+        backend.close()
+
+
+def test_a_branch_on_an_argument_is_traced_without_a_false_share(llm):
+    backend = lang.LLMBackend(llm)
+    try:
+        trace = branchy.trace(backend)
+        sys_begin, sys_end = backend.roles["system"]
+        assert trace.shared_text == sys_begin + SYSTEM + sys_end  # not "Short answer." nor "Long answer."
+        assert "startswith" in trace.stopped and "task.startswith" in trace.stopped
+        # the runs do differ right after it
+        a, b = (branchy.run(backend, task=t).token_ids for t in ("Paris", "France"))
+        n = len(trace.shared_token_ids)
+        assert a[:n] == b[:n] and a[n] != b[n]
+    finally:
+        backend.close()
+
+
+def test_run_batch_computes_the_shared_prefix_once(tiny_path):
+    """Prefill tokens computed = the shared prefix once + each run's own remainder, exactly;
+    against the same runs without the warm-up and without caching."""
+    llm = _llm(tiny_path)  # an empty cache
+    backend = lang.LLMBackend(llm)
+    try:
+        shared = len(agent.trace(backend).shared_token_ids)
+        before = backend.stats()["prefill_tokens_computed"]
+        runs = agent.run_batch(backend, [{"task": t} for t in TASKS], max_concurrency=8)
+        computed = backend.stats()["prefill_tokens_computed"] - before
+        assert backend.stats()["leases"] == 0 and backend.stats()["kv_pages_held"] == 0  # unpinned after
+        remainder = 0
+        for state in runs:
+            (first, second) = state.calls
+            remainder += first.prompt_tokens - shared
+            # the second call's prompt starts with the first's prompt and output (all computed but the last)
+            remainder += second.prompt_tokens - (first.prompt_tokens + 6 - 1)
+            assert first.cached_tokens == shared and second.cached_tokens == first.prompt_tokens + 6 - 1
+        assert computed == shared + remainder
+        uncached = sum(c.prompt_tokens for s in runs for c in s.calls)
+        assert computed < uncached - (len(TASKS) - 2) * shared
+        for state, task in zip(runs, TASKS, strict=True):  # the batch's runs are the lone runs
+            alone = agent.run(backend, task=task)
+            assert (state["analysis"], state["action"]) == (alone["analysis"], alone["action"])
+    finally:
+        backend.close()
+    llm.scheduler.check_integrity()
+
+
+def test_forks_stream_and_errors(llm):
+    @lang.function
+    def fanout(s, question):
+        s += lang.user(question)
+        branches = s.fork(3)
+        for i, b in enumerate(branches):
+            b += lang.assistant(f"Option {i}: " + lang.gen(f"o{i}", max_tokens=3, **GREEDY))
+        s += " | ".join(b[f"o{i}"] for i, b in enumerate(branches))
+
+    with lang.LLMBackend(llm) as backend:
+        state = fanout.run(backend, question="Paris?")
+        assert state.text.count(" | ") >= 2 and "Option" not in state.text  # the branches' text is theirs
+        single = agent.run(backend, task="deep")
+        assert "".join(agent.stream(backend, task="deep")) == single.text
+
+        @lang.function
+        def unknown(s):
+            s += s["nope"]
+
+        with pytest.raises(lang.ProgramError, match=r"s\['nope'\]: no gen or select of that name"):
+            unknown.run(backend)
+        with pytest.raises(lang.ProgramError, match=r"s\['nope'\]"):
+            unknown.trace(backend)
+
+        @lang.function
+        def bad_append(s):
+            s += 5
+
+        with pytest.raises(lang.ProgramError, match="s \\+= int: append a string, gen"):
+            bad_append.run(backend)
+        with pytest.raises(lang.ProgramError, match="agent: missing a required argument: 'task'"):
+            agent.run(backend)
+        with pytest.raises(lang.ProgramError, match="gen name = ''"):
+            lang.gen("")
+        with pytest.raises(lang.ProgramError, match="fork\\(n = 0\\)"):
+            lang.ProgramState(backend).fork(0)
+
+
+def test_the_same_program_gives_the_same_outputs_offline_and_over_grpc(tiny_path, llm):
+    with lang.LLMBackend(llm) as offline:
+        expected = [agent.run(offline, task=t) for t in TASKS[:3]]
+    with tiny_server(tiny_path) as (_, server, addr):
+        with lang.Endpoint(addr, model=str(tiny_path)) as remote:
+            got = agent.run_batch(remote, [{"task": t} for t in TASKS[:3]])
+            assert [s.text for s in got] == [s.text for s in expected]
+            assert [s.token_ids for s in got] == [s.token_ids for s in expected]
+            assert remote.stats().leases == 0
+            streamed = "".join(agent.stream(remote, task=TASKS[0]))
+            assert streamed == expected[0].text
+        server.engine_thread.call(lambda e: e.scheduler.check_integrity())
