@@ -33,6 +33,10 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     logprobs: list[float] | None = None  # of each generated token (when params.logprobs is set)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # When params.prompt_logprobs is set: each prompt token's logprob given those before it
+    # (None for the first, and before params.prompt_logprobs_start), and its top-n.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclasses.dataclass
@@ -57,7 +61,13 @@ def _output(r: Request) -> RequestOutput:
         num_cached_tokens=r.num_cached_tokens,
         logprobs=list(r.output_logprobs) if want else None,
         top_logprobs=list(r.output_top_logprobs) if want else None,
+        prompt_logprobs=_padded(r.prompt_logprobs, r) if r.params.prompt_logprobs is not None else None,
+        prompt_top_logprobs=_padded(r.prompt_top_logprobs, r) if r.params.prompt_logprobs is not None else None,
     )
+
+
+def _padded(values: list, r: Request) -> list:
+    return list(values) + [None] * (r.num_prompt_tokens - len(values))
 
 
 class LLM:
@@ -102,22 +112,37 @@ class LLM:
 
     # -- generation ----------------------------------------------------------------
     def generate(
-        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generates a completion for each prompt with continuous batching; outputs in prompt order.
+        ``sampling_params``: one for all, or a list with one per prompt (as vLLM's).
 
         On an LLM that is being served, the requests go through the server's engine thread
         (the one thread that steps the engine) and are batched with the server's traffic.
         """
-        params = sampling_params or SamplingParams()
         encoded = [self.encode(p) for p in self._as_list(prompts)]
+        params = self._params_per_prompt(sampling_params, len(encoded))
         if self.engine.handoff is not None:
             return [_output(sub.request) for sub, delta in self._served(encoded, params) if delta.finish_reason]
         with self.engine.owned_by_current_thread("an offline LLM.generate call"):
-            requests = [self.engine.add_request(ids, params) for ids in encoded]
+            requests = [self.engine.add_request(ids, p) for ids, p in zip(encoded, params, strict=True)]
             for _ in self._steps(requests):
                 pass
         return [_output(r) for r in requests]
+
+    @staticmethod
+    def _params_per_prompt(params, n: int) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * n
+        params = list(params)
+        if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+            raise RequestError(
+                f"sampling_params: one SamplingParams, or a list of {n} (one per prompt); got "
+                f"{len(params)} items of types {sorted({type(p).__name__ for p in params})}"
+            )
+        return params
 
     def chat(
         self, conversations: ChatMessages | Sequence[ChatMessages], sampling_params: SamplingParams | None = None
@@ -191,16 +216,17 @@ class LLM:
                 self.engine.recover()
 
     def _served(
-        self, encoded: list[list[int]], params: SamplingParams, pin_s: float | None = None
+        self, encoded: list[list[int]], params: SamplingParams | list[SamplingParams], pin_s: float | None = None
     ) -> Iterator[tuple[Any, Any]]:
         """Submits every prompt to the serving engine thread at once; yields (submission,
         delta) of each in turn, in prompt order. What is unfinished when the caller stops
         (or a delta reports a failed step) is aborted."""
         handoff = self.engine.handoff
         ids = [f"offline-{uuid.uuid4().hex}" for _ in encoded]
+        per_prompt = params if isinstance(params, list) else [params] * len(encoded)
         subs = [
-            handoff.submit_threadsafe(i, p, params, enforce_limit=False, pin_s=pin_s)
-            for i, p in zip(ids, encoded, strict=True)
+            handoff.submit_threadsafe(i, p, sp, enforce_limit=False, pin_s=pin_s)
+            for i, p, sp in zip(ids, encoded, per_prompt, strict=True)
         ]
         done = 0
         try:

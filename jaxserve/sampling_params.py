@@ -45,6 +45,13 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # also return the top-n logprobs at each position (n <= 20)
+    # Also return each prompt token's logprob given the tokens before it, and the top-n
+    # there (n <= 20; 0: the token's own only). The prompt is then computed whole (no
+    # prefix-cache hit), and its steps are not overlapped with the host's work.
+    prompt_logprobs: int | None = None
+    # Prompt logprobs from this token on only: those before it are None and may come from
+    # the prefix cache (scoring continuations of a cached prefix: lang's select).
+    prompt_logprobs_start: int = 0
     stop: tuple[str, ...] = ()  # stop strings, matched across token boundaries
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -103,6 +110,23 @@ class SamplingParams:
                 "logprobs",
                 self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                 "None or an integer in [0, 20]",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None
+                or (
+                    isinstance(self.prompt_logprobs, int)
+                    and not isinstance(self.prompt_logprobs, bool)
+                    and 0 <= self.prompt_logprobs <= 20
+                ),
+                "None or an integer in [0, 20]",
+            ),
+            (
+                "prompt_logprobs_start",
+                isinstance(self.prompt_logprobs_start, int)
+                and not isinstance(self.prompt_logprobs_start, bool)
+                and self.prompt_logprobs_start >= 0,
+                "an integer >= 0",
             ),
             (
                 "stop",

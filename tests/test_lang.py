@@ -151,6 +151,12 @@ def test_forks_stream_and_errors(llm):
             lang.ProgramState(backend).fork(0)
 
 
+@lang.function
+def quiz(s, q):
+    s += lang.user(q)
+    s += lang.select("a", [" fun", " Paris"])
+
+
 def test_the_same_program_gives_the_same_outputs_offline_and_over_grpc(tiny_path, llm):
     with lang.LLMBackend(llm) as offline:
         expected = [agent.run(offline, task=t) for t in TASKS[:3]]
@@ -162,4 +168,78 @@ def test_the_same_program_gives_the_same_outputs_offline_and_over_grpc(tiny_path
             assert remote.stats().leases == 0
             streamed = "".join(agent.stream(remote, task=TASKS[0]))
             assert streamed == expected[0].text
+            remote_pick = quiz.run(remote, q="Paris is")
+        with lang.LLMBackend(llm) as offline:
+            local_pick = quiz.run(offline, q="Paris is")
+        assert remote_pick["a"] == local_pick["a"]
+        assert remote_pick.scores["a"] == pytest.approx(local_pick.scores["a"], abs=1e-5)
         server.engine_thread.call(lambda e: e.scheduler.check_integrity())
+
+
+QUESTIONS = [
+    (f"Question {i}: which word follows '{a}'? Answer:", [" Paris", " learning", " fun", " France"][: 2 + i % 3])
+    for i, a in enumerate(
+        [
+            "The capital",
+            "Machine",
+            "deep",
+            "are",
+            "of France is",
+            "and deep",
+            "fun.",
+            "capital of",
+            "France",
+            "is Paris.",
+            "learning and",
+            "The",
+            "Paris. Machine",
+            "deep learning",
+            "are fun",
+            "of",
+            "and",
+            "is",
+            "Machine learning",
+            "capital",
+        ]  # fmt: skip
+    )
+]
+
+
+def test_select_agrees_with_transformers_summed_logprobs(tiny_model_dir):
+    """20 held-out multiple-choice prompts: each choice's score is the sum of its tokens'
+    logprobs after the prompt (to 1e-4 against transformers in float32), the pick is the
+    best, and the prompt is computed once for all its choices."""
+    import numpy as np
+    import torch
+
+    path, hf = tiny_model_dir("llama3")
+    llm = _llm(path)
+
+    @lang.function
+    def quiz(s, question, choices):
+        s += lang.user(question)
+        s += lang.assistant(lang.select("answer", choices))
+
+    with lang.LLMBackend(llm) as backend:
+        before = backend.stats()["prefill_tokens_computed"]
+        state = quiz.run(backend, question=QUESTIONS[0][0], choices=QUESTIONS[0][1])
+        ids = [backend.encode(c) for c in QUESTIONS[0][1]]
+        prefix = state.calls[0].prompt_tokens - len(ids[0])  # the choices follow the user turn
+        # the prompt once, then per further choice its tokens and the prompt's last one
+        assert [o.cached_tokens for o in state.calls] == [0] + [prefix - 1] * (len(ids) - 1)
+        assert backend.stats()["prefill_tokens_computed"] - before == prefix + len(ids[0]) + sum(
+            1 + len(c) for c in ids[1:]
+        )
+        states = quiz.run_batch(backend, [{"question": q, "choices": c} for q, c in QUESTIONS])
+        assert quiz.trace(backend).stopped  # the choices are an argument: select() iterates them
+    for state, (_, choices) in zip(states, QUESTIONS, strict=True):
+        prefix = state.token_ids[: state.calls[0].prompt_tokens - len(backend.encode(choices[0]))]
+        ref = []
+        for c in choices:
+            full = prefix + backend.encode(c)
+            with torch.no_grad():
+                lp = torch.log_softmax(hf(torch.tensor([full])).logits[0].double(), -1).numpy()
+            ref.append(sum(lp[j - 1, full[j]] for j in range(len(prefix), len(full))))
+        np.testing.assert_allclose(state.scores["answer"], ref, atol=1e-4)
+        assert state["answer"] == choices[int(np.argmax(ref))]
+    llm.scheduler.check_integrity()

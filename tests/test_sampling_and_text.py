@@ -39,6 +39,39 @@ def test_logprobs_match_transformers(tiny):
         assert all(abs(lp - ref[i, t]) < 1e-4 for t, lp in top)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prompt_logprobs_match_transformers(tiny, overlap):
+    """Each prompt token's logprob (and top-n) given the tokens before it, to 1e-4 in
+    float32, over a prompt computed in several chunks (64-token steps) beside a plain
+    request; computed whole although its prefix is cached; its outputs are unchanged."""
+    llm, hf = tiny
+    llm.engine.overlap = overlap
+    ids = rng_tokens(150, hf.config.vocab_size, seed=12 + overlap)
+    greedy = dict(max_tokens=3, temperature=0.0, ignore_eos=True)
+    plain = llm.generate([ids], SamplingParams(**greedy))[0]  # now cached
+    other = rng_tokens(30, hf.config.vocab_size, seed=14 + overlap)
+    before = llm.stats()["prefill_tokens_computed"]
+    scored, beside = llm.generate([ids, other], [SamplingParams(**greedy, prompt_logprobs=3), SamplingParams(**greedy)])
+    assert llm.stats()["prefill_tokens_computed"] - before == 150 + 30
+    assert scored.token_ids == plain.token_ids and beside.prompt_logprobs is None
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1).numpy()
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == 150
+    got = np.array(scored.prompt_logprobs[1:])
+    np.testing.assert_allclose(got, ref[np.arange(149), ids[1:]], atol=1e-4)
+    for i in (1, 64, 100, 149):
+        top = scored.prompt_top_logprobs[i]
+        assert [t for t, _ in top] == list(np.argsort(-ref[i - 1])[:3])
+        assert all(abs(lp - ref[i - 1, t]) < 1e-4 for t, lp in top)
+    # from a start on: the prefix may come from the cache; only the tail is scored
+    before = llm.stats()["prefill_tokens_computed"]
+    tail = llm.generate([ids], SamplingParams(**greedy, prompt_logprobs=0, prompt_logprobs_start=140))[0]
+    assert llm.stats()["prefill_tokens_computed"] - before == 150 - 139
+    assert tail.prompt_logprobs[:140] == [None] * 140 and tail.prompt_top_logprobs[140:] == [None] * 10  # top-0
+    np.testing.assert_allclose(tail.prompt_logprobs[140:], ref[np.arange(139, 149), ids[140:]], atol=1e-4)
+    llm.engine.overlap = True
+
+
 def test_logprobs_only_when_asked(tiny):
     """Without ``logprobs`` a request gets no logprob figures (the step skips the
     log-softmax); with ``logprobs=0`` it gets the sampled token's and their sum."""

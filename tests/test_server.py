@@ -452,3 +452,23 @@ def test_a_pinned_prefix_over_grpc(served):
         assert c.server_stats().leases == 0 and c.server_stats().kv_pages_pinned == 0
         assert not c.unpin("lease-nonexistent")
     server.engine_thread.call(lambda e: e.scheduler.check_integrity())
+
+
+def test_prompt_logprobs_over_grpc_match_offline(served):
+    import math
+
+    llm, _, addr, _ = served
+    prompt = rng_tokens(40, 320, seed=23)
+    params = dict(max_tokens=2, prompt_logprobs=2, **GREEDY)
+    offline = llm.generate([prompt], SamplingParams(**params))[0]
+    with Client(addr) as c:
+        got = c.generate(prompt, **params, timeout=60)
+        streamed = list(c.stream(prompt, **params, timeout=60))
+    assert len(got.prompt_logprobs) == 40 and math.isnan(got.prompt_logprobs[0])
+    assert list(got.prompt_logprobs[1:]) == pytest.approx(offline.prompt_logprobs[1:], abs=1e-5)
+    assert [[e.token_id for e in t.entries] for t in got.prompt_top_logprobs[1:]] == [
+        [t for t, _ in top] for top in offline.prompt_top_logprobs[1:]
+    ]
+    assert not got.prompt_top_logprobs[0].entries
+    assert list(streamed[-1].prompt_logprobs[1:]) == list(got.prompt_logprobs[1:])
+    assert not any(m.prompt_logprobs for m in streamed[:-1])

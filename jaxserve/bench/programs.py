@@ -24,7 +24,7 @@ TASKS = (
     "Book a repair visit", "Transfer a licence", "Pause a subscription", "Find an old receipt",
     "Quote a bulk order", "Unlock a gift card", "Escalate a complaint", "Schedule a callback",
     "Close an account", "Add a second user", "Investigate slow service", "Waive a late fee",
-    "Replace a lost card", "Explain a new tariff", "Recover a hacked profile", "Move data abroad",
+    "Replace a lost card", "Describe a new tariff", "Recover a hacked profile", "Move data abroad",
     "Order spare parts", "Claim a warranty", "Audit login history", "Join the beta programme",
 )  # fmt: skip
 MODES = ("warm", "no warm-up", "no cache")
@@ -74,7 +74,9 @@ def main(args: argparse.Namespace) -> int:
 
     arguments = [{"task": t} for t in TASKS[: args.tasks]]
     print(f"agent program: {args.tasks} tasks, gens of {limits} tokens, EOS ignored")
-    print(f"{'mode':12s} {'prefill computed':>16s} {'expected':>9s} {'shared':>7s} {'seconds':>8s} {'output tok/s':>13s}")
+    print(
+        f"{'mode':12s} {'prefill computed':>16s} {'expected':>9s} {'shared':>7s} {'seconds':>8s} {'output tok/s':>13s}"
+    )
     outputs = {}
     for mode in MODES:
         llm = LLM(config=engine_config(args, *(["enable_prefix_caching=false"] if mode == "no cache" else [])),

@@ -71,6 +71,8 @@ class Delta:
     error: str | None = None  # the engine failed this step: the request ended without a result
     lease_id: str | None = None  # asked to pin (pin_s): the lease, or None and why in pin_refused
     pin_refused: str = ""
+    prompt_logprobs: list[float | None] | None = None  # final delta, when params.prompt_logprobs
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclasses.dataclass
@@ -305,6 +307,10 @@ class EngineThread:
             delta.cached_tokens = r.num_cached_tokens
             delta.lease_id = r.lease_id
             delta.pin_refused = r.pin_refused
+            if r.params.prompt_logprobs is not None:
+                pad = [None] * (r.num_prompt_tokens - len(r.prompt_logprobs))
+                delta.prompt_logprobs = list(r.prompt_logprobs) + pad
+                delta.prompt_top_logprobs = list(r.prompt_top_logprobs) + pad
         return delta
 
     def _handle(self, command: tuple) -> None:

@@ -203,10 +203,12 @@ class Engine:
             return self._advanced(got, ended)
         t1 = time.perf_counter()
         if not out.is_empty:
-            handle = self._dispatch(out, prev)
+            handle, scored = self._dispatch(out, prev)
             t1 = time.perf_counter()
         if prev is not None:
             got += self._apply(prev)
+        if not out.is_empty and scored:  # prompt logprobs: waited for now, before commit ends anyone
+            self._record_prompt_scores(out, self.runner.prompt_scores(handle))
         if not out.is_empty:
             committed = self.scheduler.commit(out)  # after prev's tokens: commits read them
             pending, ended = committed.pending, committed.ended
@@ -233,9 +235,10 @@ class Engine:
             self.output.drop(request.request_id)
         return advanced, finished
 
-    def _dispatch(self, out: SchedulerOutput, prev: _InFlight | None) -> Any:
+    def _dispatch(self, out: SchedulerOutput, prev: _InFlight | None) -> tuple[Any, bool]:
         """Packs the scheduled rows and sends the step; a row whose token is pending is fed
-        from the step before on the device."""
+        from the step before on the device. Returns (the runner's handle, whether the step
+        scores prompt tokens)."""
         seqs, sampling = [], []
         rows = {id(p.request): p.row for p in prev.pending} if prev is not None else {}
         for request, n in out.scheduled:
@@ -249,7 +252,37 @@ class Engine:
             sampling.append(x)
         if out.page_copies:
             self.runner.copy_pages(out.page_copies)
-        return self.runner.dispatch(seqs, sampling)
+        if any(r.params.prompt_logprobs is not None and not r.num_pending for r, _ in out.scheduled):
+            return self.runner.dispatch(seqs, sampling, [self._targets(r, n) for r, n in out.scheduled]), True
+        return self.runner.dispatch(seqs, sampling), False
+
+    @staticmethod
+    def _targets(request: Request, n: int) -> list[int]:
+        """The token after each of the request's rows this step, where it is a prompt token."""
+        if request.params.prompt_logprobs is None or request.num_pending:
+            return []
+        start, prompt = request.num_computed_tokens, request.num_prompt_tokens
+        return [request.token_ids[p + 1] if p + 1 < prompt else 0 for p in range(start, start + n)]
+
+    def _record_prompt_scores(self, out: SchedulerOutput, scores) -> None:
+        """Each scored prompt token's logprob (and top-n) into its request, by position
+        (a recomputation after preemption writes the same values again)."""
+        for (request, n), (target, top_ids, top_lp) in zip(out.scheduled, scores, strict=True):
+            want = request.params.prompt_logprobs
+            if want is None or request.num_pending:
+                continue
+            prompt = request.num_prompt_tokens
+            if len(request.prompt_logprobs) < prompt:
+                request.prompt_logprobs = [None] * prompt
+                request.prompt_top_logprobs = [None] * prompt
+            start = request.num_computed_tokens
+            for row, p in enumerate(range(start, start + n)):
+                if request.score_from <= p + 1 < prompt:
+                    request.prompt_logprobs[p + 1] = float(target[row])
+                    if want:
+                        request.prompt_top_logprobs[p + 1] = list(
+                            zip(top_ids[row, :want].tolist(), top_lp[row, :want].tolist(), strict=True)
+                        )
 
     def _apply(self, step: _InFlight) -> list[Sampled]:
         """Waits for a dispatched step's tokens and applies them: stop checks, logprobs, text."""

@@ -82,7 +82,10 @@ class KVManager:
     def _match(self, request: Request) -> tuple[int, list[int], object]:
         """(tokens, pages, node) of the longest cached prefix of all but the request's last
         token (its logits are needed), rounded down to a page in ``page`` mode."""
-        matched, pages, node = self.index.match(request.token_ids[:-1])
+        limit = len(request.token_ids) - 1
+        if request.params.prompt_logprobs is not None:  # the rows scoring tokens >= score_from are computed
+            limit = min(limit, max(request.score_from - 1, 0))
+        matched, pages, node = self.index.match(request.token_ids[:limit])
         if self.prefix_match == "page":
             matched -= matched % self.page_size
         return matched, pages, node

@@ -66,6 +66,10 @@ class Request:
     pin_s: float | None = None  # when it finishes, pin its cached tokens for this long (a lease)
     lease_id: str | None = None  # the lease that pin made
     pin_refused: str = ""  # or why it made none
+    # Prompt logprobs (params.prompt_logprobs): of prompt token i given those before it,
+    # None for token 0 and before params.prompt_logprobs_start (those may come from the cache).
+    prompt_logprobs: list[float | None] = dataclasses.field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = dataclasses.field(default_factory=list)
     num_prompt_tokens: int = dataclasses.field(init=False)  # len(token_ids) as given
 
     def __post_init__(self):
@@ -102,6 +106,11 @@ class Request:
     def is_prefill_done(self) -> bool:
         """True once only the newest sampled token is left to compute (decoding)."""
         return self.num_tokens_to_compute <= 1 and self.num_sampled > 0
+
+    @property
+    def score_from(self) -> int:
+        """The first prompt token whose logprob is wanted (params.prompt_logprobs)."""
+        return max(1, self.params.prompt_logprobs_start)
 
     @property
     def finish_reason(self) -> str | None:

@@ -38,6 +38,7 @@ class Outcome:
     pin_refused: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: list[float | None] | None = None  # when asked (select's scoring)
 
 
 def role_markers(tokenizer) -> dict[str, tuple[str, str]]:
@@ -145,8 +146,11 @@ class LLMBackend(Backend):
                 break
         r = sub.request
         ids = _outcome(r.output_token_ids, r.output_text, r.finish_reason, r.stop_reason, self.encode)
+        prompt_lp = None
+        if r.params.prompt_logprobs is not None:
+            prompt_lp = list(r.prompt_logprobs) + [None] * (r.num_prompt_tokens - len(r.prompt_logprobs))
         return Outcome(ids, r.output_text, r.finish_reason, r.lease_id, r.pin_refused, r.num_prompt_tokens,
-                       r.num_cached_tokens)  # fmt: skip
+                       r.num_cached_tokens, prompt_lp)  # fmt: skip
 
     def unpin(self, lease_id: str) -> bool:
         return bool(self._thread.call(lambda engine: engine.unpin(lease_id)))
@@ -203,8 +207,9 @@ class Endpoint(Backend):
         finish = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}.get(last.finish_reason, "abort")
         kind = last.WhichOneof("stop_reason")
         stop_reason = getattr(last, kind) if kind else None
+        prompt_lp = [None if lp != lp else lp for lp in last.prompt_logprobs] or None  # NaN: none
         return Outcome(_outcome(ids, text, finish, stop_reason, self.encode), text, finish, last.lease_id or None,
-                       last.pin_refused, last.usage.prompt_tokens, last.usage.cached_tokens)  # fmt: skip
+                       last.pin_refused, last.usage.prompt_tokens, last.usage.cached_tokens, prompt_lp)  # fmt: skip
 
     def unpin(self, lease_id: str) -> bool:
         return self.client.unpin(lease_id)

@@ -87,6 +87,27 @@ def gen(name: str, max_tokens: int = 128, **sampling: Any) -> Gen:
 
 
 @dataclasses.dataclass(frozen=True)
+class Select:
+    """``select(name, choices)``: the choice the model finds likeliest after the prompt."""
+
+    name: str
+    choices: tuple[str, ...]
+    normalize: bool = False
+
+
+def select(name: str, choices: Sequence[str], normalize: bool = False) -> Select:
+    """Appends the choice with the highest sum of its tokens' logprobs after the prompt so
+    far (``normalize``: the mean per token), stored as ``s[name]``. The prompt is computed
+    once (a cache hit for all choices but the first) and the choices are scored in one batch."""
+    if not isinstance(name, str) or not name:
+        raise ProgramError(f"select name = {name!r}: must be a non-empty string")
+    choices = tuple(choices) if not isinstance(choices, str) else ()
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ProgramError(f"select({name!r}) choices: must be a non-empty list of non-empty strings")
+    return Select(name, choices, bool(normalize))
+
+
+@dataclasses.dataclass(frozen=True)
 class Role:
     """A chat message: the template's text around ``parts`` (strings and gens)."""
 
@@ -116,6 +137,7 @@ class ProgramState:
         self._text = text
         self.variables: dict[str, str] = dict(variables or {})
         self.calls: list[Any] = []  # outcomes of this state's calls, in order (usage, leases)
+        self.scores: dict[str, list[float]] = {}  # select name -> each choice's score
         self._pending: tuple[Gen, Any] | None = None  # a call sent, not yet appended
         self._after: list[str] = []  # text appended behind the pending call
         self._on_text = on_text  # streaming: called with each piece of text as it is appended
@@ -142,8 +164,32 @@ class ProgramState:
         elif isinstance(item, Seq):
             for part in item.parts:
                 self._append(part)
+        elif isinstance(item, Select):
+            self._select(item)
         else:
             raise ProgramError(f"s += {type(item).__name__}: append a string, gen(...) or a role block")
+
+    def _select(self, item: Select) -> None:
+        self._resolve()
+        prefix = list(self.token_ids)
+        if not prefix:
+            raise ProgramError(f"select({item.name!r}): needs a prompt before it to score the choices after")
+        params = SamplingParams(max_tokens=0, prompt_logprobs=0, prompt_logprobs_start=len(prefix))
+        ids = [self.backend.encode(c) for c in item.choices]
+        handles = [self.backend.submit(prefix + c, params) for c in ids]
+        scores = []
+        for c, handle in zip(ids, handles, strict=True):
+            outcome = self.backend.result(handle)
+            self.calls.append(outcome)
+            total = sum(outcome.prompt_logprobs[len(prefix) :])
+            scores.append(total / len(c) if item.normalize else total)
+        best = max(range(len(scores)), key=scores.__getitem__)  # the first of equals
+        self.scores[item.name] = scores
+        self.variables[item.name] = item.choices[best]
+        self.token_ids += ids[best]
+        self._text += item.choices[best]
+        if self._on_text is not None:
+            self._on_text(item.choices[best])
 
     def _add_text(self, text: str) -> None:
         self.token_ids += self.backend.encode(text)
@@ -289,6 +335,10 @@ class _TraceState:
                 self._append(part)
         elif isinstance(item, Placeholder):  # an argument or a gen's output, appended as is
             self.shared = False
+        elif isinstance(item, Select):  # which choice follows differs per run
+            self.result.calls.append(CallSite(item.name, len(self.result.shared_token_ids), self.shared))
+            self.shared = False
+            self.variables[item.name] = Placeholder(f"the choice of select({item.name!r})")
         else:
             raise ProgramError(f"s += {type(item).__name__}: append a string, gen(...) or a role block")
 
@@ -402,7 +452,7 @@ class _Eager:
 
     def __iadd__(self, item):
         self._state += item
-        if isinstance(item, Gen | Role | Seq):
+        if isinstance(item, Gen | Role | Seq | Select):
             self._state._resolve()
         return self
 

@@ -35,6 +35,7 @@ from jaxserve.runner import compile_counter
 from jaxserve.runner.batch import MIN_TOKEN_BUCKET, PackedBatch, ScheduledSeq, make_buckets, pack, pick_bucket
 from jaxserve.runner.sampler import (
     MAX_BLOCKED,
+    MAX_LOGPROBS,
     PenaltyMetadata,
     SamplerOutput,
     SamplingMetadata,
@@ -183,6 +184,33 @@ def make_forward(graphdef, backend: AttentionBackend):
     return forward
 
 
+def make_scored_forward(graphdef, backend: AttentionBackend):
+    """``forward`` that also scores every token row: ``(state, kv_cache, md, feed_rows,
+    feed_tokens, targets [T]) -> (kv_cache, logits [S, V], (target_logprobs [T], top_ids
+    [T, MAX_LOGPROBS], top_logprobs [T, MAX_LOGPROBS]))``, row ``i``'s scores being of the
+    token after it (``targets[i]``) under the model's distribution there: prompt logprobs.
+    The LM head then runs on every row, so this is a separate program, compiled on first
+    use, for the steps of requests that ask for them."""
+    mesh = backend.mesh
+
+    def forward(state, kv_cache, md: AttentionMetadata, feed_rows, feed_tokens, targets):
+        sample_rows = md.logits_indices
+        md = dataclasses.replace(md, logits_indices=jnp.arange(md.input_ids.shape[0], dtype=jnp.int32))
+        fed = feed_tokens[jnp.maximum(feed_rows, 0)]
+        md = dataclasses.replace(md, input_ids=jnp.where(feed_rows >= 0, fed, md.input_ids))
+        model = nnx.merge(graphdef, state)
+        logits, kv_cache = model(kv_cache, md, backend)
+        if mesh is not None:
+            logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
+            kv_cache = jax.lax.with_sharding_constraint(kv_cache, kv_cache_sharding(mesh))
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
+        target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+        return kv_cache, logits[sample_rows], (target, top_ids.astype(jnp.int32), top_lp)
+
+    return forward
+
+
 def make_sample(max_num_seqs: int, mesh=None):
     """``sample(logits, smd, pmd, feed_tokens)``: penalised rows' histories completed from
     the step before (``feed_history``), then ``sample``, plus its tokens padded to
@@ -229,6 +257,7 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache()
         self.token_buckets, self.seq_buckets = cfg.buckets
         self._forward = jax.jit(make_forward(self.graphdef, cfg.attention_backend), donate_argnums=(1,))
+        self._scored_forward = jax.jit(make_scored_forward(self.graphdef, cfg.attention_backend), donate_argnums=(1,))
         self._sample = jax.jit(make_sample(cfg.max_num_seqs, mesh))
         self._copy_pages = jax.jit(copy_pages, donate_argnums=(0,))
         # Placed as the sampler's output will be: jit keys a call by its arguments' placement.
@@ -254,11 +283,28 @@ class ModelRunner:
                 src, dst = self.channel.share((src, dst))
             self.kv_cache = self._copy_pages(self.kv_cache, src, dst)
 
-    def dispatch(self, seqs: list[ScheduledSeq], sampling: list[SeqSampling]) -> tuple[SamplerOutput, int]:
+    def dispatch(
+        self, seqs: list[ScheduledSeq], sampling: list[SeqSampling], targets: list[list[int]] | None = None
+    ) -> tuple:
         """Sends one step to the device without waiting for it; ``fetch`` gets its tokens.
-        A sequence's ``feed_row`` refers to the step dispatched just before this one."""
+        A sequence's ``feed_row`` refers to the step dispatched just before this one.
+        ``targets``: per sequence, the token after each of its rows (any id where none is
+        wanted): the step also scores them, for ``prompt_logprobs`` (one process only)."""
         t0 = time.perf_counter()
         b, inputs = step_inputs(self.cfg, seqs, sampling)
+        if targets is not None:
+            if self.channel is not None:
+                raise RuntimeError("prompt logprobs are not replayed on other processes (multi-host)")
+            rows = np.zeros(b.md.input_ids.shape[0], np.int32)
+            for i, t in enumerate(targets):
+                rows[b.md.query_start_loc[i] : b.md.query_start_loc[i] + len(t)] = t
+            feed = self._feed_tokens
+            self.kv_cache, logits, scored = self._scored_forward(
+                self.state, self.kv_cache, inputs[0], inputs[1], feed, rows
+            )
+            out, self._feed_tokens = self._sample(logits, inputs[2], inputs[3], feed)
+            self.timings["pack_s"] += time.perf_counter() - t0
+            return out, b.num_seqs, (scored, b.md.query_start_loc[: b.num_seqs + 1].copy())
         if self.channel is not None:  # every process runs the same step (multihost.py)
             self.channel.announce(STEP, b.md.num_tokens, len(b.md.kv_lens), inputs[3] is not None)
             inputs = self.channel.share(inputs)
@@ -267,15 +313,24 @@ class ModelRunner:
             self.recording.append(inputs)
         out = self._step(*inputs)
         self.timings["pack_s"] += time.perf_counter() - t0
-        return out, b.num_seqs
+        return out, b.num_seqs, None
 
-    def fetch(self, handle: tuple[SamplerOutput, int]) -> SamplerOutput:
+    def fetch(self, handle: tuple) -> SamplerOutput:
         """Waits for a dispatched step; its sampler output (numpy) for the real sequences."""
         t0 = time.perf_counter()
-        out, n = handle
+        out, n, _ = handle
         result = jax.tree.map(lambda a: to_host(a)[:n], out)
         self.timings["device_s"] += time.perf_counter() - t0  # the wait + transfer back
         return result
+
+    def prompt_scores(self, handle: tuple) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+        """Waits for a step dispatched with ``targets``: per sequence, its rows' (target
+        logprob [n], top ids [n, MAX_LOGPROBS], top logprobs [n, MAX_LOGPROBS]); else None."""
+        if handle[2] is None:
+            return None
+        (target, top_ids, top_lp), starts = handle[2]
+        target, top_ids, top_lp = to_host(target), to_host(top_ids), to_host(top_lp)
+        return [(target[a:b], top_ids[a:b], top_lp[a:b]) for a, b in zip(starts[:-1], starts[1:], strict=True)]
 
     def execute(self, seqs: list[ScheduledSeq], sampling: list[SeqSampling]) -> SamplerOutput:
         """Runs one step; returns the sampler's output (numpy) for the real sequences."""

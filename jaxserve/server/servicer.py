@@ -57,6 +57,12 @@ def _fill(msg, delta: Delta) -> None:
         )
         msg.lease_id = delta.lease_id or ""
         msg.pin_refused = delta.pin_refused
+        if delta.prompt_logprobs is not None:
+            msg.prompt_logprobs.extend(float("nan") if lp is None else lp for lp in delta.prompt_logprobs)
+            for top in delta.prompt_top_logprobs:
+                msg.prompt_top_logprobs.add().entries.extend(
+                    pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top or ()
+                )
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
