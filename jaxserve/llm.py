@@ -37,6 +37,7 @@ class RequestOutput:
     # (None for the first, and before params.prompt_logprobs_start), and its top-n.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    samples: list[RequestOutput] | None = None  # n > 1: every sample (this object is sample 0's)
 
 
 @dataclasses.dataclass
@@ -124,13 +125,23 @@ class LLM:
         """
         encoded = [self.encode(p) for p in self._as_list(prompts)]
         params = self._params_per_prompt(sampling_params, len(encoded))
+        # n > 1: one request per sample, all at once (the scheduler computes their shared
+        # prompt once: the others wait for it, then take it from the prefix cache).
+        flat = [(ids, sp) for ids, p in zip(encoded, params, strict=True) for sp in p.samples()]
         if self.engine.handoff is not None:
-            return [_output(sub.request) for sub, delta in self._served(encoded, params) if delta.finish_reason]
-        with self.engine.owned_by_current_thread("an offline LLM.generate call"):
-            requests = [self.engine.add_request(ids, p) for ids, p in zip(encoded, params, strict=True)]
-            for _ in self._steps(requests):
-                pass
-        return [_output(r) for r in requests]
+            served = self._served([ids for ids, _ in flat], [sp for _, sp in flat])
+            outs = [_output(sub.request) for sub, delta in served if delta.finish_reason]
+        else:
+            with self.engine.owned_by_current_thread("an offline LLM.generate call"):
+                requests = [self.engine.add_request(ids, sp) for ids, sp in flat]
+                for _ in self._steps(requests):
+                    pass
+            outs = [_output(r) for r in requests]
+        grouped, i = [], 0
+        for p in params:
+            samples, i = outs[i : i + p.n], i + p.n
+            grouped.append(dataclasses.replace(samples[0], samples=samples) if p.n > 1 else samples[0])
+        return grouped
 
     @staticmethod
     def _params_per_prompt(params, n: int) -> list[SamplingParams]:
@@ -159,6 +170,8 @@ class LLM:
         """Yields text deltas of one completion as tokens are generated."""
         encoded = [self.encode(prompt)]
         params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise RequestError(f"sampling_params.n = {params.n}: stream gives one completion; use generate for n > 1")
         if self.engine.handoff is not None:
             yield from (delta.text for _, delta in self._served(encoded, params) if delta.text)
             return

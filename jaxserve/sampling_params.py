@@ -10,6 +10,7 @@ from jaxserve.errors import RequestError
 MAX_STOP_TOKEN_IDS = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+MAX_N = 64  # samples of one prompt
 # Below this a temperature divides logits past float32's range; 0 asks for greedy plainly.
 MIN_TEMPERATURE = 0.01
 
@@ -33,6 +34,10 @@ class SamplingParams:
     """
 
     max_tokens: int = 16  # 0: prefill only (the prompt's K/V computed and cached, no token)
+    # Samples of the prompt (its K/V shared through the prefix cache: the prompt is computed
+    # once, and each sample then recomputes only its last token for its own first logits).
+    # With a seed, sample i draws with its own seed derived from it (sample 0: the seed).
+    n: int = 1
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -66,6 +71,11 @@ class SamplingParams:
                 "max_tokens",
                 isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 0,
                 "an integer >= 0 (0: prefill only, the prompt goes to the prefix cache)",
+            ),
+            (
+                "n",
+                isinstance(self.n, int) and not isinstance(self.n, bool) and 1 <= self.n <= MAX_N,
+                f"an integer in [1, {MAX_N}]",
             ),
             (
                 "temperature",
@@ -138,6 +148,14 @@ class SamplingParams:
         for field, ok, allowed in checks:
             if not ok:
                 raise RequestError(f"sampling_params.{field} = {_shown(getattr(self, field))}: must be {allowed}")
+
+    def samples(self) -> list[SamplingParams]:
+        """One SamplingParams per sample (n of them, each n = 1): sample i's seed is derived
+        from the seed (sample 0 keeps it), so seeded samples differ from one another."""
+        if self.n == 1:
+            return [self]
+        seeds = [None if self.seed is None else (self.seed + i * 0x9E3779B97F4A7C15) % 2**63 for i in range(self.n)]
+        return [dataclasses.replace(self, n=1, seed=seed) for seed in seeds]
 
     @property
     def has_penalties(self) -> bool:

@@ -11,6 +11,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.errors import RequestError
 from jaxserve.runner.sampler import MAX_BLOCKED, MAX_LOGPROBS, PenaltyMetadata, SamplerOutput, argmax, block, penalize
 from tests.conftest import rng_tokens
 
@@ -307,3 +308,28 @@ def test_top_k_top_p_min_p_keep_what_a_sort_keeps():
     got = np.asarray(jax.jit(keep_mask)(scaled, top_k, top_p, min_p))
     np.testing.assert_array_equal(got, _sorted_keep_mask(scaled, top_k, top_p, min_p))
     assert got[0].sum() == 41 and got[1].sum() == 5  # a whole tie group is kept
+
+
+def test_n_samples_share_the_prompt(tiny_model_dir):
+    """n = 4 with a 500-token prompt: the prompt is computed once (each further sample
+    recomputes only its last token, for its own first logits); seeded samples differ from
+    one another and repeat with the seed; greedy samples are identical."""
+    path, hf = tiny_model_dir("qwen2")
+    llm = LLM(str(path), dtype="float32", page_size=16, num_pages=256, max_num_batched_tokens=128, progress=False,
+              warmup=False)  # fmt: skip
+    ids = rng_tokens(500, hf.config.vocab_size, seed=31)
+    before = llm.stats()["prefill_tokens_computed"]
+    out = llm.generate([ids], SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True))[0]
+    assert llm.stats()["prefill_tokens_computed"] - before == 500 + 3
+    assert len(out.samples) == 4 and out.token_ids == out.samples[0].token_ids
+    assert len({tuple(s.token_ids) for s in out.samples}) == 4
+    again = llm.generate([ids], SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True))[0]
+    assert [s.token_ids for s in again.samples] == [s.token_ids for s in out.samples]
+    alone = llm.generate([ids], SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True))[0]
+    assert alone.token_ids == out.samples[0].token_ids and alone.samples is None
+    greedy = llm.generate([ids], SamplingParams(n=4, max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    assert len({tuple(s.token_ids) for s in greedy.samples}) == 1
+    with pytest.raises(RequestError, match=r"sampling_params.n = 0: must be an integer in \[1, 64\]"):
+        SamplingParams(n=0)
+    llm.scheduler.check_integrity()
+    assert llm.stats()["kv_pages_held"] == 0

@@ -472,3 +472,19 @@ def test_prompt_logprobs_over_grpc_match_offline(served):
     assert not got.prompt_top_logprobs[0].entries
     assert list(streamed[-1].prompt_logprobs[1:]) == list(got.prompt_logprobs[1:])
     assert not any(m.prompt_logprobs for m in streamed[:-1])
+
+
+def test_n_samples_over_grpc(served):
+    llm, server, addr, _ = served
+    prompt = rng_tokens(60, 320, seed=24)
+    sampling = dict(max_tokens=5, temperature=1.0, seed=3, ignore_eos=True)
+    offline = llm.generate([prompt], SamplingParams(n=3, **sampling))[0]
+    with Client(addr) as c:
+        got = c.generate(prompt, n=3, **sampling, timeout=60)
+        assert [list(s.token_ids) for s in got.samples] == [s.token_ids for s in offline.samples]
+        assert list(got.token_ids) == offline.samples[0].token_ids
+        parts = list(c.stream(prompt, n=3, **sampling, timeout=60))
+        by_index = {i: [t for p in parts if p.index == i for t in p.token_ids] for i in range(3)}
+        assert [by_index[i] for i in range(3)] == [s.token_ids for s in offline.samples]
+        assert sum(p.finish_reason != pb.FINISH_REASON_UNSPECIFIED for p in parts) == 3
+    assert server.engine_thread.call(lambda e: e.stats()["kv_pages_held"]) == 0

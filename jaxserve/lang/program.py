@@ -81,9 +81,12 @@ def gen(name: str, max_tokens: int = 128, **sampling: Any) -> Gen:
     if not isinstance(name, str) or not name:
         raise ProgramError(f"gen name = {name!r}: must be a non-empty string")
     try:
-        return Gen(name, SamplingParams(max_tokens=max_tokens, **sampling))
+        params = SamplingParams(max_tokens=max_tokens, **sampling)
     except TypeError as e:
         raise ProgramError(f"gen({name!r}): {e}") from None
+    if params.n != 1:
+        raise ProgramError(f"gen({name!r}, n={params.n}): one completion per gen; fork the state for several")
+    return Gen(name, params)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,6 +84,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         self.limits = cfg  # validate reads the prompt and max_tokens caps from it
         self.accepting = True
         self._ids = itertools.count()
+        self._samples: dict[str, list[str]] = {}  # request id -> its samples' engine ids, while in flight
         # Off the event loop. Large prompts get their own worker, so a flood of them queues
         # behind itself and never ahead of small ones. (Measured with SmolLM2's tokenizer: a
         # 1 MB prompt's 1-2 s of tokenizing stretched another stream's longest token gap
@@ -122,42 +123,72 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         except RequestError as e:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e))
         request_id = request.request_id or f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        # n > 1: one engine request per sample ("id", "id#1", ...), all submitted at once.
+        sample_ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
+        queues = []
         try:
-            return request_id, self.engine.submit(request_id, ids, params, client=self.client(context), pin_s=pin_s)
+            for sample_id, sample in zip(sample_ids, params.samples(), strict=True):
+                queues.append(self.engine.submit(sample_id, ids, sample, client=self.client(context), pin_s=pin_s))
+            self._samples[request_id] = sample_ids
+            return request_id, queues
         except RequestError as e:  # pin_s without a prefix cache
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e))
+            error = (grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e))
         except QueueFullError as e:
-            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, e.reason, str(e))
+            error = (grpc.StatusCode.RESOURCE_EXHAUSTED, e.reason, str(e))
         except EngineStoppedError as e:
-            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "shutting_down", str(e))
+            error = (grpc.StatusCode.UNAVAILABLE, "shutting_down", str(e))
         except RequestIdInUseError as e:
-            await self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, "request_id_in_use", str(e))
+            error = (grpc.StatusCode.ALREADY_EXISTS, "request_id_in_use", str(e))
+        for sample_id in sample_ids[: len(queues)]:  # the samples that got in go again
+            self.engine.abort(sample_id)
+        await self._refuse(context, *error)
 
-    async def _deltas(self, request_id: str, q: asyncio.Queue, context):
+    async def _deltas(self, request_id: str, queues: list[asyncio.Queue], context):
+        """(sample index, delta) of every sample as they come, until each has finished."""
         try:
-            while True:
-                delta = await q.get()
-                if delta.error is not None:
-                    await context.abort(grpc.StatusCode.INTERNAL, delta.error)
-                yield delta
-                if delta.finish_reason is not None:
-                    return
+            if len(queues) == 1:
+                while True:
+                    delta = await queues[0].get()
+                    if delta.error is not None:
+                        await context.abort(grpc.StatusCode.INTERNAL, delta.error)
+                    yield 0, delta
+                    if delta.finish_reason is not None:
+                        return
+            getters = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
+            try:
+                while getters:
+                    done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
+                    for future in done:
+                        i = getters.pop(future)
+                        delta = future.result()
+                        if delta.error is not None:
+                            await context.abort(grpc.StatusCode.INTERNAL, delta.error)
+                        yield i, delta
+                        if delta.finish_reason is None:
+                            getters[asyncio.ensure_future(queues[i].get())] = i
+            finally:
+                for future in getters:
+                    future.cancel()
         finally:
             # Cancelled (client gone, deadline) or closed early: free the engine's pages.
-            self.engine.abort(request_id)
+            for sample_id in self._samples.pop(request_id, [request_id]):
+                self.engine.abort(sample_id)
 
     async def StreamGenerate(self, request, context):
-        request_id, q = await self._start(request, context)
-        async for delta in self._deltas(request_id, q, context):
-            msg = pb.GenerateStreamResponse(request_id=request_id)
+        request_id, queues = await self._start(request, context)
+        async for i, delta in self._deltas(request_id, queues, context):
+            msg = pb.GenerateStreamResponse(request_id=request_id, index=i)
             _fill(msg, delta)
             yield msg
 
     async def Generate(self, request, context):
-        request_id, q = await self._start(request, context)
-        msg = pb.GenerateResponse(request_id=request_id)
-        async for delta in self._deltas(request_id, q, context):
-            _fill(msg, delta)
+        request_id, queues = await self._start(request, context)
+        samples = [pb.GenerateResponse(request_id=request_id) for _ in queues]
+        async for i, delta in self._deltas(request_id, queues, context):
+            _fill(samples[i], delta)
+        msg = samples[0]
+        if len(samples) > 1:
+            msg.samples.extend(samples)
         return msg
 
     async def GetModelInfo(self, request, context):
@@ -175,7 +206,11 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         )
 
     async def Abort(self, request, context):
-        return pb.AbortResponse(found=self.engine.abort(request.request_id, client=self.client(context)))
+        client = self.client(context)
+        found = [
+            self.engine.abort(i, client=client) for i in self._samples.get(request.request_id, [request.request_id])
+        ]
+        return pb.AbortResponse(found=any(found))
 
     async def Unpin(self, request, context):
         lease_id, client = request.lease_id, self.client(context)
