@@ -150,27 +150,19 @@ class ProgramState:
         return self
 
     def _append(self, item) -> None:
-        if isinstance(item, str):
-            if self._pending is not None:
-                self._after.append(item)
+        for piece in _flat(self.backend, item):
+            if isinstance(piece, str):
+                if self._pending is not None:
+                    self._after.append(piece)
+                else:
+                    self._add_text(piece)
+            elif isinstance(piece, Gen):
+                self._resolve()
+                self._pending = (piece, self.backend.submit(self.token_ids, piece.params, on_text=self._on_text))
+            elif isinstance(piece, Select):
+                self._select(piece)
             else:
-                self._add_text(item)
-        elif isinstance(item, Gen):
-            self._resolve()
-            self._pending = (item, self.backend.submit(self.token_ids, item.params, on_text=self._on_text))
-        elif isinstance(item, Role):
-            begin, end = _markers(self.backend, item.role)
-            self._append(begin)
-            for part in item.parts:
-                self._append(part)
-            self._append(end)
-        elif isinstance(item, Seq):
-            for part in item.parts:
-                self._append(part)
-        elif isinstance(item, Select):
-            self._select(item)
-        else:
-            raise ProgramError(f"s += {type(item).__name__}: append a string, gen(...) or a role block")
+                raise ProgramError(f"s += {type(piece).__name__}: append a string, gen(...) or a role block")
 
     def _select(self, item: Select) -> None:
         self._resolve()
@@ -236,6 +228,22 @@ class ProgramState:
     def finish(self) -> ProgramState:
         self._resolve()
         return self
+
+
+def _flat(backend: Backend, item) -> Iterator:
+    """``item`` as the text pieces, gens, selects (and placeholders) it appends, in order:
+    a role block inside its turn's template text, a Seq part by part."""
+    if isinstance(item, Role):
+        begin, end = _markers(backend, item.role)
+        yield begin
+        for part in item.parts:
+            yield from _flat(backend, part)
+        yield end
+    elif isinstance(item, Seq):
+        for part in item.parts:
+            yield from _flat(backend, part)
+    else:
+        yield item
 
 
 def _markers(backend: Backend, role: str) -> tuple[str, str]:
@@ -316,34 +324,22 @@ class _TraceState:
         return self
 
     def _append(self, item) -> None:
-        if isinstance(item, str):
-            if _SENTINEL in item:
+        for piece in _flat(self.backend, item):
+            if isinstance(piece, str):
+                if _SENTINEL in piece:
+                    self.shared = False
+                elif self.shared:
+                    self.result.shared_token_ids += self.backend.encode(piece)
+                    self.result.shared_text += piece
+            elif isinstance(piece, Gen | Select):  # its output (which choice) differs per run
+                self.result.calls.append(CallSite(piece.name, len(self.result.shared_token_ids), self.shared))
                 self.shared = False
-            elif self.shared:
-                self.result.shared_token_ids += self.backend.encode(item)
-                self.result.shared_text += item
-        elif isinstance(item, Gen):
-            n = len(self.result.shared_token_ids)
-            self.result.calls.append(CallSite(item.name, n, self.shared))
-            self.shared = False
-            self.variables[item.name] = Placeholder(f"the output of gen({item.name!r})")
-        elif isinstance(item, Role):
-            begin, end = _markers(self.backend, item.role)
-            self._append(begin)
-            for part in item.parts:
-                self._append(part)
-            self._append(end)
-        elif isinstance(item, Seq):
-            for part in item.parts:
-                self._append(part)
-        elif isinstance(item, Placeholder):  # an argument or a gen's output, appended as is
-            self.shared = False
-        elif isinstance(item, Select):  # which choice follows differs per run
-            self.result.calls.append(CallSite(item.name, len(self.result.shared_token_ids), self.shared))
-            self.shared = False
-            self.variables[item.name] = Placeholder(f"the choice of select({item.name!r})")
-        else:
-            raise ProgramError(f"s += {type(item).__name__}: append a string, gen(...) or a role block")
+                what = "output of gen" if isinstance(piece, Gen) else "choice of select"
+                self.variables[piece.name] = Placeholder(f"the {what}({piece.name!r})")
+            elif isinstance(piece, Placeholder):  # an argument or a gen's output, appended as is
+                self.shared = False
+            else:
+                raise ProgramError(f"s += {type(piece).__name__}: append a string, gen(...) or a role block")
 
     def __getitem__(self, name: str) -> Placeholder:
         if name not in self.variables:

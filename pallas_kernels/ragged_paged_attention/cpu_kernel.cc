@@ -148,6 +148,32 @@ struct Tile {
   int32_t seq, kv_head, first_token, num_tokens;  // tokens relative to the sequence's first
 };
 
+// A tile's rows: row r is token first_token + r / G with query head kv_head * G + r % G.
+// Sets each row's position and lowest visible position (the sliding window) and hands
+// its query to query(r, q).
+template <typename Query>
+void TileRows(const Problem& pb, const Tile& t, std::vector<int32_t>& pos, std::vector<int32_t>& lo, Query&& query) {
+  const int64_t G = pb.num_heads / pb.num_kv_heads;
+  const int32_t q_start = pb.query_start_loc[t.seq];
+  const int32_t first_pos = pb.kv_lens[t.seq] - (pb.query_start_loc[t.seq + 1] - q_start);
+  const int rows = t.num_tokens * static_cast<int>(G);
+  pos.resize(rows);
+  lo.resize(rows);
+  for (int r = 0; r < rows; ++r) {
+    const int32_t i = t.first_token + r / G;
+    pos[r] = first_pos + i;
+    lo[r] = pb.window > 0 ? std::max(0, pos[r] - pb.window + 1) : 0;
+    query(r, pb.q + ((q_start + i) * pb.num_heads + t.kv_head * G + r % G) * pb.head_dim);
+  }
+}
+
+// Where row r's output goes.
+inline float* OutRow(const Problem& pb, const Tile& t, int r) {
+  const int64_t G = pb.num_heads / pb.num_kv_heads;
+  const int32_t token = pb.query_start_loc[t.seq] + t.first_token + r / G;
+  return pb.out + (token * pb.num_heads + t.kv_head * G + r % G) * pb.head_dim;
+}
+
 // Scores of one row against 16 consecutive keys from their 16-lane partial sums: a fixed
 // butterfly (halves of pairs added lane-wise, 16 -> 8 -> 4 -> 2 -> 1 lanes per key) that
 // leaves key k's sum in lane k. ~3 operations per score where a horizontal sum per key
@@ -265,25 +291,14 @@ class TileRunner {
     const Problem& pb = pb_;
     const int64_t D = pb.head_dim, G = pb.num_heads / pb.num_kv_heads;
     const int64_t chunks = C > 0 ? C : (D + kLanes - 1) / kLanes;  // head_dim in 16-lane chunks
-    const int32_t q_start = pb.query_start_loc[t.seq];
-    const int32_t q_len = pb.query_start_loc[t.seq + 1] - q_start;
-    const int32_t kv_len = pb.kv_lens[t.seq];
-    const int32_t first_pos = kv_len - q_len;
     const int rows = t.num_tokens * static_cast<int>(G);
 
-    // Rows: (token i, head g) -> position, lowest visible position, scaled query.
-    pos_.resize(rows);
-    lo_.resize(rows);
+    // Rows: position, lowest visible position, scaled query.
     qs_.assign(static_cast<size_t>(rows) * chunks, Lanes{});
-    for (int r = 0; r < rows; ++r) {
-      const int32_t i = t.first_token + r / G;
-      const int64_t head = t.kv_head * G + r % G;
-      pos_[r] = first_pos + i;
-      lo_[r] = pb.window > 0 ? std::max(0, pos_[r] - pb.window + 1) : 0;
-      const float* q = pb.q + ((q_start + i) * pb.num_heads + head) * D;
+    TileRows(pb, t, pos_, lo_, [&](int r, const float* q) {
       float* qs = reinterpret_cast<float*>(&qs_[r * chunks]);
       for (int64_t d = 0; d < D; ++d) qs[d] = q[d] * pb.sm_scale;
-    }
+    });
     const int32_t jlo = lo_[0];              // the tile's lowest visible position
     const int32_t jhi = pos_[rows - 1] + 1;  // one past its highest
     const int32_t base = jlo - jlo % kLanes;  // the first group's first position
@@ -339,9 +354,7 @@ class TileRunner {
       }
     }
     for (int r = 0; r < rows; ++r) {
-      const int32_t i = t.first_token + r / G;
-      const int64_t head = t.kv_head * G + r % G;
-      float* o = pb.out + ((q_start + i) * pb.num_heads + head) * D;
+      float* o = OutRow(pb, t, r);
       const float* acc = reinterpret_cast<const float*>(&acc_[r * chunks]);
       const float inv = 1.0f / denom_[r];
       for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
@@ -420,30 +433,20 @@ class AmxTileRunner {
   void Run(const Tile& t) {
     const Problem& pb = pb_;
     const int64_t D = pb.head_dim, G = pb.num_heads / pb.num_kv_heads;
-    const int32_t q_start = pb.query_start_loc[t.seq];
-    const int32_t q_len = pb.query_start_loc[t.seq + 1] - q_start;
-    const int32_t first_pos = pb.kv_lens[t.seq] - q_len;
     const int rows = t.num_tokens * static_cast<int>(G);
     const int padded = (rows + 15) / 16 * 16;
 
-    // Rows: (token i, head g) -> position, lowest visible position, scaled query as hi + lo.
-    pos_.resize(rows);
-    lo_.resize(rows);
-    // Padding rows (to 16) are left as they are: a tile product's row depends only on its
-    // own row of the left operand, so they reach only padding rows of the results.
+    // Rows: position, lowest visible position, scaled query as hi + lo. Padding rows (to
+    // 16) are left as they are: a tile product's row depends only on its own row of the
+    // left operand, so they reach only padding rows of the results.
     q_hi_.resize(static_cast<size_t>(padded) * D);
     q_lo_.resize(static_cast<size_t>(padded) * D);
     const __m512 scale = _mm512_set1_ps(pb.sm_scale);
-    for (int r = 0; r < rows; ++r) {
-      const int32_t i = t.first_token + r / G;
-      const int64_t head = t.kv_head * G + r % G;
-      pos_[r] = first_pos + i;
-      lo_[r] = pb.window > 0 ? std::max(0, pos_[r] - pb.window + 1) : 0;
-      const float* q = pb.q + ((q_start + i) * pb.num_heads + head) * D;
+    TileRows(pb, t, pos_, lo_, [&](int r, const float* q) {
       for (int64_t d = 0; d < D; d += 16) {
         jaxserve::SplitBf16(_mm512_mul_ps(_mm512_loadu_ps(q + d), scale), &q_hi_[r * D + d], &q_lo_[r * D + d]);
       }
-    }
+    });
     const int32_t jlo = lo_[0], jhi = pos_[rows - 1] + 1;  // the positions the tile reads
     const int32_t base = jlo - jlo % 32;
     const int32_t blocks = (jhi - base + 31) / 32;  // of 32 positions: two score groups each
@@ -613,9 +616,7 @@ class AmxTileRunner {
       }
     }
     for (int r = 0; r < rows; ++r) {
-      const int32_t i = t.first_token + r / G;
-      const int64_t head = t.kv_head * G + r % G;
-      float* o = pb.out + ((q_start + i) * pb.num_heads + head) * D;
+      float* o = OutRow(pb, t, r);
       const float inv = 1.0f / denom_[r];
       for (int64_t d = 0; d < D; ++d) o[d] = acc_[r * D + d] * inv;
     }
