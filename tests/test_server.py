@@ -488,3 +488,24 @@ def test_n_samples_over_grpc(served):
         assert [by_index[i] for i in range(3)] == [s.token_ids for s in offline.samples]
         assert sum(p.finish_reason != pb.FINISH_REASON_UNSPECIFIED for p in parts) == 3
     assert server.engine_thread.call(lambda e: e.stats()["kv_pages_held"]) == 0
+
+
+def test_a_request_the_engine_refuses_ends_alone_and_serving_continues(served, monkeypatch):
+    """An add the engine refuses (e.g. prompt_logprobs on a multi-host deployment) ends
+    that request with its reason; the engine thread serves on."""
+    from jaxserve.errors import RequestError
+
+    llm, _, addr, _ = served
+    real = llm.engine.add_request
+
+    def add_request(ids, params, **kw):
+        if params.max_tokens == 7:
+            raise RequestError("refused for the test")
+        return real(ids, params, **kw)
+
+    monkeypatch.setattr(llm.engine, "add_request", add_request)
+    with Client(addr) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate("hi", max_tokens=7, timeout=60)
+        assert "refused for the test" in err.value.details()
+        assert len(c.generate("ok", max_tokens=2, **GREEDY, timeout=60).token_ids) == 2

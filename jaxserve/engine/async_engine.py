@@ -320,9 +320,14 @@ class EngineThread:
                 self._pending -= 1
             stream = self._streams.get(request_id)
             if stream is not None:
-                stream.request = self.engine.add_request(
-                    prompt_ids, params, request_id=request_id, client=stream.client, pin_s=pin_s
-                )
+                try:
+                    stream.request = self.engine.add_request(
+                        prompt_ids, params, request_id=request_id, client=stream.client, pin_s=pin_s
+                    )
+                except JaxServeError as e:  # refused by the engine: this request ends, the thread serves on
+                    with self._lock:
+                        self._forget(request_id)
+                    stream.push(Delta(request_id, [], "", [], [], finish_reason="abort", error=str(e)))
         elif command[0] == "call":
             _, fn, future = command
             try:

@@ -139,6 +139,11 @@ class Engine:
             RequestError: ``pin_s`` out of range, or pinning without a prefix cache.
         """
         self._check_owner("add_request")
+        if params.prompt_logprobs is not None and getattr(self.runner, "channel", None) is not None:
+            raise RequestError(
+                "sampling_params.prompt_logprobs: not available on a multi-host deployment "
+                "(the scoring step is not replayed on the other processes)"
+            )
         if pin_s is not None:
             check_pin_s(pin_s)
             if not self.scheduler.kv.prefix_caching:
