@@ -131,3 +131,17 @@ def test_a_bad_range_is_one_usage_error_naming_the_flag(argv, capsys):
     assert exit_info.value.code == 2
     flag = argv[-2]
     assert f"argument {flag}: invalid span value" in capsys.readouterr().err
+
+
+def test_bench_agent_counts_the_shared_prefix_once(tiny_model_dir, capsys):
+    """The agent program in three modes: warmed, the count is exactly the predicted one;
+    without a cache it is far larger; the texts agree."""
+    path, _ = tiny_model_dir("llama3")
+    args = ["bench", "agent", *_engine_args(path), "--tasks", "4", "--max-tokens", "3,2,3", "--system-tokens", "60"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    warm = re.search(r"^warm +(\d+) +(\d+) +(\d+) ", printed, re.M)
+    off = re.search(r"^no cache +(\d+) ", printed, re.M)
+    assert warm and off, printed
+    assert warm.group(1) == warm.group(2) and int(off.group(1)) > 3 * int(warm.group(1))
+    assert "same texts in every mode: True" in printed and "command: jaxserve bench agent" in printed
