@@ -62,13 +62,9 @@ def _output(r: Request) -> RequestOutput:
         num_cached_tokens=r.num_cached_tokens,
         logprobs=list(r.output_logprobs) if want else None,
         top_logprobs=list(r.output_top_logprobs) if want else None,
-        prompt_logprobs=_padded(r.prompt_logprobs, r) if r.params.prompt_logprobs is not None else None,
-        prompt_top_logprobs=_padded(r.prompt_top_logprobs, r) if r.params.prompt_logprobs is not None else None,
+        prompt_logprobs=list(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None,
+        prompt_top_logprobs=list(r.prompt_top_logprobs) if r.params.prompt_logprobs is not None else None,
     )
-
-
-def _padded(values: list, r: Request) -> list:
-    return list(values) + [None] * (r.num_prompt_tokens - len(values))
 
 
 class LLM:

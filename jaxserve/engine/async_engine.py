@@ -22,9 +22,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from jaxserve.engine.engine import Engine, check_pin_s
+from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import Request
-from jaxserve.errors import JaxServeError, RequestError
+from jaxserve.errors import JaxServeError
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -221,10 +221,7 @@ class EngineThread:
         enforce_limit: bool,
         pin_s: float | None = None,
     ) -> None:
-        if pin_s is not None:  # here, on the caller's thread: the engine thread must not raise
-            check_pin_s(pin_s)
-            if not self.engine.scheduler.kv.prefix_caching:
-                raise RequestError("pin_s: pinning needs the prefix cache (enable_prefix_caching: true)")
+        self.engine.check_pin(pin_s)  # on the caller's thread, before anything is queued
         with self._lock:
             if self._closed:
                 raise EngineStoppedError("the engine thread has stopped; it takes no more requests")
@@ -308,9 +305,8 @@ class EngineThread:
             delta.lease_id = r.lease_id
             delta.pin_refused = r.pin_refused
             if r.params.prompt_logprobs is not None:
-                pad = [None] * (r.num_prompt_tokens - len(r.prompt_logprobs))
-                delta.prompt_logprobs = list(r.prompt_logprobs) + pad
-                delta.prompt_top_logprobs = list(r.prompt_top_logprobs) + pad
+                delta.prompt_logprobs = list(r.prompt_logprobs)
+                delta.prompt_top_logprobs = list(r.prompt_top_logprobs)
         return delta
 
     def _handle(self, command: tuple) -> None:

@@ -40,13 +40,6 @@ from jaxserve.sampling_params import SamplingParams
 MAX_PIN_S = 3600.0  # the longest lease one request may ask for
 
 
-def check_pin_s(pin_s) -> None:
-    """Raises RequestError unless ``pin_s`` is a number of seconds in (0, MAX_PIN_S]."""
-    ok = isinstance(pin_s, int | float) and not isinstance(pin_s, bool) and 0 < pin_s <= MAX_PIN_S
-    if not ok:
-        raise RequestError(f"pin_s = {pin_s!r}: must be a number of seconds in (0, {MAX_PIN_S:g}]")
-
-
 class EngineBusyError(JaxServeError):
     """Another thread drives this engine; only its owner may step, add to or abort it."""
 
@@ -144,10 +137,7 @@ class Engine:
                 "sampling_params.prompt_logprobs: not available on a multi-host deployment "
                 "(the scoring step is not replayed on the other processes)"
             )
-        if pin_s is not None:
-            check_pin_s(pin_s)
-            if not self.scheduler.kv.prefix_caching:
-                raise RequestError("pin_s: pinning needs the prefix cache (enable_prefix_caching: true)")
+        self.check_pin(pin_s)
         request_id = request_id or f"req-{next(self._ids)}"
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
@@ -163,6 +153,17 @@ class Engine:
         self.output.drop(request_id)
         if request is not None:
             self.scheduler.abort(request)
+
+    def check_pin(self, pin_s: float | None) -> None:
+        """Raises RequestError unless ``pin_s`` is None or a lease this engine can give: a
+        number of seconds in (0, MAX_PIN_S], with a prefix cache. Reads configuration only,
+        so any thread may call it (the engine thread's hand-off checks before queuing)."""
+        if pin_s is None:
+            return
+        if not (isinstance(pin_s, int | float) and not isinstance(pin_s, bool) and 0 < pin_s <= MAX_PIN_S):
+            raise RequestError(f"pin_s = {pin_s!r}: must be a number of seconds in (0, {MAX_PIN_S:g}]")
+        if not self.scheduler.kv.prefix_caching:
+            raise RequestError("pin_s: pinning needs the prefix cache (enable_prefix_caching: true)")
 
     def unpin(self, lease_id: str, client: str | None = None) -> bool:
         """Ends a lease (``add_request(pin_s=...)``); False if it has ended or expired
@@ -257,14 +258,14 @@ class Engine:
             sampling.append(x)
         if out.page_copies:
             self.runner.copy_pages(out.page_copies)
-        if any(r.params.prompt_logprobs is not None and not r.num_pending for r, _ in out.scheduled):
+        if any(r.scores_prompt for r, _ in out.scheduled):
             return self.runner.dispatch(seqs, sampling, [self._targets(r, n) for r, n in out.scheduled]), True
         return self.runner.dispatch(seqs, sampling), False
 
     @staticmethod
     def _targets(request: Request, n: int) -> list[int]:
         """The token after each of the request's rows this step, where it is a prompt token."""
-        if request.params.prompt_logprobs is None or request.num_pending:
+        if not request.scores_prompt:
             return []
         start, prompt = request.num_computed_tokens, request.num_prompt_tokens
         return [request.token_ids[p + 1] if p + 1 < prompt else 0 for p in range(start, start + n)]
@@ -273,14 +274,9 @@ class Engine:
         """Each scored prompt token's logprob (and top-n) into its request, by position
         (a recomputation after preemption writes the same values again)."""
         for (request, n), (target, top_ids, top_lp) in zip(out.scheduled, scores, strict=True):
-            want = request.params.prompt_logprobs
-            if want is None or request.num_pending:
+            if not request.scores_prompt:
                 continue
-            prompt = request.num_prompt_tokens
-            if len(request.prompt_logprobs) < prompt:
-                request.prompt_logprobs = [None] * prompt
-                request.prompt_top_logprobs = [None] * prompt
-            start = request.num_computed_tokens
+            want, prompt, start = request.params.prompt_logprobs, request.num_prompt_tokens, request.num_computed_tokens
             for row, p in enumerate(range(start, start + n)):
                 if request.score_from <= p + 1 < prompt:
                     request.prompt_logprobs[p + 1] = float(target[row])

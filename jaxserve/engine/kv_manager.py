@@ -176,7 +176,7 @@ class KVManager:
         stay within MAX_PINNED_FRACTION of the pool."""
         node, n = request.cache_node, request.num_computed_tokens
         pinned = self._pinned_pages()
-        path = set(self.index._path_pages(node, node.end))
+        path = set(self.index.path_pages(node))
         limit = int(self.pool.num_usable * MAX_PINNED_FRACTION)
         if len(pinned | path) > limit:
             request.pin_refused = (
@@ -208,7 +208,7 @@ class KVManager:
         return len(expired)
 
     def _pinned_pages(self) -> set[int]:
-        return {p for lease in self.leases.values() for p in self.index._path_pages(lease.node, lease.node.end)}
+        return {p for lease in self.leases.values() for p in self.index.path_pages(lease.node)}
 
     # -- the whole cache -----------------------------------------------------------------
     def clear_cache(self) -> None:

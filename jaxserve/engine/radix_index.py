@@ -87,6 +87,10 @@ class RadixIndex:
             pages.extend(n.pages)
         return pages[: -(-length // self.page_size)]
 
+    def path_pages(self, node: RadixNode) -> list[int]:
+        """Page ids covering every position up to ``node``'s end (what locking it keeps)."""
+        return self._path_pages(node, node.end)
+
     def match(self, tokens: list[int] | tuple[int, ...]) -> tuple[int, list[int], RadixNode]:
         """Longest cached prefix of ``tokens``: (length, pages covering it, deepest node).
 

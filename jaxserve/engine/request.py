@@ -66,8 +66,9 @@ class Request:
     pin_s: float | None = None  # when it finishes, pin its cached tokens for this long (a lease)
     lease_id: str | None = None  # the lease that pin made
     pin_refused: str = ""  # or why it made none
-    # Prompt logprobs (params.prompt_logprobs): of prompt token i given those before it,
-    # None for token 0 and before params.prompt_logprobs_start (those may come from the cache).
+    # Prompt logprobs (params.prompt_logprobs): of prompt token i given those before it, one
+    # per prompt token, None for token 0 and before params.prompt_logprobs_start (those may
+    # come from the cache) until the step scoring it ran.
     prompt_logprobs: list[float | None] = dataclasses.field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]] | None] = dataclasses.field(default_factory=list)
     num_prompt_tokens: int = dataclasses.field(init=False)  # len(token_ids) as given
@@ -75,6 +76,9 @@ class Request:
     def __post_init__(self):
         self.token_ids = list(self.token_ids)
         self.num_prompt_tokens = len(self.token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
+            self.prompt_top_logprobs = [None] * self.num_prompt_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -106,6 +110,12 @@ class Request:
     def is_prefill_done(self) -> bool:
         """True once only the newest sampled token is left to compute (decoding)."""
         return self.num_tokens_to_compute <= 1 and self.num_sampled > 0
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its rows this step score prompt tokens: it asked for prompt logprobs and is not
+        decoding a token still in flight."""
+        return self.params.prompt_logprobs is not None and not self.num_pending
 
     @property
     def score_from(self) -> int:

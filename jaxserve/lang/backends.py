@@ -11,7 +11,6 @@ every run), ``roles`` (the chat template's text around each role's content), ``s
 from __future__ import annotations
 
 import dataclasses
-import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -146,9 +145,7 @@ class LLMBackend(Backend):
                 break
         r = sub.request
         ids = _outcome(r.output_token_ids, r.output_text, r.finish_reason, r.stop_reason, self.encode)
-        prompt_lp = None
-        if r.params.prompt_logprobs is not None:
-            prompt_lp = list(r.prompt_logprobs) + [None] * (r.num_prompt_tokens - len(r.prompt_logprobs))
+        prompt_lp = list(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None
         return Outcome(ids, r.output_text, r.finish_reason, r.lease_id, r.pin_refused, r.num_prompt_tokens,
                        r.num_cached_tokens, prompt_lp)  # fmt: skip
 
@@ -172,7 +169,6 @@ class Endpoint(Backend):
 
         self.client = Client(address, credentials)
         self.tokenizer = _load_tokenizer(model or self.client.model_info(timeout=60).model)
-        self._lock = threading.Lock()
 
     def submit(self, token_ids, params, pin_s=None, on_text=None):
         from jaxserve.client import build_request

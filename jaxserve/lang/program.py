@@ -208,10 +208,7 @@ class ProgramState:
 
     def __getitem__(self, name: str) -> str:
         self._resolve()
-        if name not in self.variables:
-            known = ", ".join(map(repr, self.variables)) or "none yet"
-            raise ProgramError(f"s[{name!r}]: no gen or select of that name has run (set so far: {known})")
-        return self.variables[name]
+        return _variable(self.variables, name)
 
     @property
     def text(self) -> str:
@@ -220,8 +217,7 @@ class ProgramState:
 
     def fork(self, n: int) -> list[ProgramState]:
         """``n`` states that share everything so far; their calls run at once."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ProgramError(f"fork(n = {n!r}): n must be an integer >= 1")
+        _check_fork(n)
         self._resolve()
         return [ProgramState(self.backend, self.token_ids, self._text, self.variables) for _ in range(n)]
 
@@ -244,6 +240,18 @@ def _flat(backend: Backend, item) -> Iterator:
             yield from _flat(backend, part)
     else:
         yield item
+
+
+def _variable(variables: dict, name: str):
+    if name not in variables:
+        known = ", ".join(map(repr, variables)) or "none yet"
+        raise ProgramError(f"s[{name!r}]: no gen or select of that name has run (set so far: {known})")
+    return variables[name]
+
+
+def _check_fork(n) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ProgramError(f"fork(n = {n!r}): n must be an integer >= 1")
 
 
 def _markers(backend: Backend, role: str) -> tuple[str, str]:
@@ -342,10 +350,7 @@ class _TraceState:
                 raise ProgramError(f"s += {type(piece).__name__}: append a string, gen(...) or a role block")
 
     def __getitem__(self, name: str) -> Placeholder:
-        if name not in self.variables:
-            known = ", ".join(map(repr, self.variables)) or "none yet"
-            raise ProgramError(f"s[{name!r}]: no gen or select of that name has run (set so far: {known})")
-        return self.variables[name]
+        return _variable(self.variables, name)
 
     @property
     def text(self) -> str:
@@ -353,8 +358,7 @@ class _TraceState:
 
     def fork(self, n: int) -> list[_TraceState]:
         """Branches: what one appends is not the others', so the shared prefix ends here."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ProgramError(f"fork(n = {n!r}): n must be an integer >= 1")
+        _check_fork(n)
         self.shared = False
         return [_TraceState(self.backend, self.result, False, self.variables) for _ in range(n)]
 

@@ -191,24 +191,17 @@ def make_scored_forward(graphdef, backend: AttentionBackend):
     token after it (``targets[i]``) under the model's distribution there: prompt logprobs.
     The LM head then runs on every row, so this is a separate program, compiled on first
     use, for the steps of requests that ask for them."""
-    mesh = backend.mesh
+    forward = make_forward(graphdef, backend)
 
-    def forward(state, kv_cache, md: AttentionMetadata, feed_rows, feed_tokens, targets):
-        sample_rows = md.logits_indices
-        md = dataclasses.replace(md, logits_indices=jnp.arange(md.input_ids.shape[0], dtype=jnp.int32))
-        fed = feed_tokens[jnp.maximum(feed_rows, 0)]
-        md = dataclasses.replace(md, input_ids=jnp.where(feed_rows >= 0, fed, md.input_ids))
-        model = nnx.merge(graphdef, state)
-        logits, kv_cache = model(kv_cache, md, backend)
-        if mesh is not None:
-            logits = jax.lax.with_sharding_constraint(logits, replicated(mesh))
-            kv_cache = jax.lax.with_sharding_constraint(kv_cache, kv_cache_sharding(mesh))
+    def scored(state, kv_cache, md: AttentionMetadata, feed_rows, feed_tokens, targets):
+        every_row = dataclasses.replace(md, logits_indices=jnp.arange(md.input_ids.shape[0], dtype=jnp.int32))
+        kv_cache, logits = forward(state, kv_cache, every_row, feed_rows, feed_tokens)
         logprobs = jax.nn.log_softmax(logits, axis=-1)
         target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-        return kv_cache, logits[sample_rows], (target, top_ids.astype(jnp.int32), top_lp)
+        return kv_cache, logits[md.logits_indices], (target, top_ids.astype(jnp.int32), top_lp)
 
-    return forward
+    return scored
 
 
 def make_sample(max_num_seqs: int, mesh=None):
@@ -292,28 +285,23 @@ class ModelRunner:
         wanted): the step also scores them, for ``prompt_logprobs`` (one process only)."""
         t0 = time.perf_counter()
         b, inputs = step_inputs(self.cfg, seqs, sampling)
+        rows = None
         if targets is not None:
             if self.channel is not None:
                 raise RuntimeError("prompt logprobs are not replayed on other processes (multi-host)")
             rows = np.zeros(b.md.input_ids.shape[0], np.int32)
             for i, t in enumerate(targets):
                 rows[b.md.query_start_loc[i] : b.md.query_start_loc[i] + len(t)] = t
-            feed = self._feed_tokens
-            self.kv_cache, logits, scored = self._scored_forward(
-                self.state, self.kv_cache, inputs[0], inputs[1], feed, rows
-            )
-            out, self._feed_tokens = self._sample(logits, inputs[2], inputs[3], feed)
-            self.timings["pack_s"] += time.perf_counter() - t0
-            return out, b.num_seqs, (scored, b.md.query_start_loc[: b.num_seqs + 1].copy())
         if self.channel is not None:  # every process runs the same step (multihost.py)
             self.channel.announce(STEP, b.md.num_tokens, len(b.md.kv_lens), inputs[3] is not None)
             inputs = self.channel.share(inputs)
-        self.input_bytes += sum(x.nbytes for x in jax.tree.leaves(inputs))
+        self.input_bytes += sum(x.nbytes for x in jax.tree.leaves((inputs, rows)))
         if self.recording is not None:
             self.recording.append(inputs)
-        out = self._step(*inputs)
+        out, scored = self._step(*inputs, targets=rows)
         self.timings["pack_s"] += time.perf_counter() - t0
-        return out, b.num_seqs, None
+        starts = b.md.query_start_loc[: b.num_seqs + 1].copy()
+        return out, b.num_seqs, None if scored is None else (scored, starts)
 
     def fetch(self, handle: tuple) -> SamplerOutput:
         """Waits for a dispatched step; its sampler output (numpy) for the real sequences."""
@@ -343,7 +331,7 @@ class ModelRunner:
         jax.block_until_ready(self._feed_tokens)
         t0 = time.perf_counter()
         for inputs in recorded:
-            out = self._step(*inputs)
+            out, _ = self._step(*inputs)
         jax.block_until_ready(out)
         return time.perf_counter() - t0
 
@@ -359,11 +347,19 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache()
         self._feed_tokens = self._no_feed  # the failed step's samples may never come
 
-    def _step(self, md, feed_rows, smd, pmd) -> SamplerOutput:
+    def _step(self, md, feed_rows, smd, pmd, targets=None) -> tuple[SamplerOutput, tuple | None]:
+        """One step on the device: (the sampler's output, and with ``targets`` the rows'
+        scores from the scoring forward, else None)."""
         feed = self._feed_tokens
-        self.kv_cache, logits = self._forward(self.state, self.kv_cache, md, feed_rows, feed)
+        scored = None
+        if targets is None:
+            self.kv_cache, logits = self._forward(self.state, self.kv_cache, md, feed_rows, feed)
+        else:
+            self.kv_cache, logits, scored = self._scored_forward(
+                self.state, self.kv_cache, md, feed_rows, feed, targets
+            )
         out, self._feed_tokens = self._sample(logits, smd, pmd, feed)  # pmd None: the variant without penalties
-        return out
+        return out, scored
 
     def follow(self) -> None:
         """Followers (process > 0): replay the leader's steps and page copies until it stops."""

@@ -18,7 +18,6 @@ import grpc
 
 from jaxserve.assembly import EngineHandle
 from jaxserve.engine.async_engine import Delta, EngineStoppedError, EngineThread, QueueFullError, RequestIdInUseError
-from jaxserve.engine.engine import check_pin_s
 from jaxserve.errors import RequestError
 from jaxserve.server.auth import TokenAuth, peer_identity
 from jaxserve.server.config import ServerConfig
@@ -117,8 +116,6 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         pool = self._validate_large if request.ByteSize() > LARGE_REQUEST_BYTES else self._validate_small
         pin_s = request.pin_s if request.HasField("pin_s") else None
         try:
-            if pin_s is not None:
-                check_pin_s(pin_s)
             ids, params = await loop.run_in_executor(pool, validate, request, self.handle, self.limits)
         except RequestError as e:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e))
@@ -131,7 +128,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                 queues.append(self.engine.submit(sample_id, ids, sample, client=self.client(context), pin_s=pin_s))
             self._samples[request_id] = sample_ids
             return request_id, queues
-        except RequestError as e:  # pin_s without a prefix cache
+        except RequestError as e:  # a pin_s the engine cannot give
             error = (grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e))
         except QueueFullError as e:
             error = (grpc.StatusCode.RESOURCE_EXHAUSTED, e.reason, str(e))
@@ -146,7 +143,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     async def _deltas(self, request_id: str, queues: list[asyncio.Queue], context):
         """(sample index, delta) of every sample as they come, until each has finished."""
         try:
-            if len(queues) == 1:
+            if len(queues) == 1:  # n = 1, every ordinary call: read it directly, no task per delta
                 while True:
                     delta = await queues[0].get()
                     if delta.error is not None:
