@@ -75,6 +75,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             return False
         programs = f"{compile_counter.num_compiles()} programs, {compile_counter.num_cache_loads()} of them from the compile cache"
         print(f"jaxserve: serving {engine_cfg.model} on {server_cfg.host}:{server.port} ({programs})", flush=True)
+        if server.http_port is not None:
+            host = f"[{server_cfg.host}]" if ":" in server_cfg.host else server_cfg.host
+            print(f"jaxserve: OpenAI-compatible HTTP API on http://{host}:{server.http_port}/v1", flush=True)
         await server.wait_and_drain()
         return True
 

@@ -171,5 +171,8 @@ def tiny_server(path, server_config=None, **llm_options):
     options = dict(dtype="float32", page_size=16, num_pages=400, max_num_seqs=8, max_num_batched_tokens=64)
     options.update(llm_options)
     llm = LLM(str(path), progress=False, warmup=False, **options)
-    with serve_llm(llm, server_config or ServerConfig(port=0, metrics_port=None, warmup=False)) as (server, addr):
+    with serve_llm(llm, server_config or ServerConfig(port=0, http_port=None, metrics_port=None, warmup=False)) as (
+        server,
+        addr,
+    ):
         yield llm, server, addr

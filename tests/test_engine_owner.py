@@ -54,7 +54,7 @@ def test_a_served_llm_steps_only_on_the_engine_thread(llm):
     prompts = [rng_tokens(6 + 5 * i, 320, seed=i) for i in range(6)]
     expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     expected_text = llm.generate([prompts[0]], GREEDY)[0].text
-    config = ServerConfig(port=0, metrics_port=None, warmup=False)
+    config = ServerConfig(port=0, http_port=None, metrics_port=None, warmup=False)
     with serve_llm(llm, config) as (server, addr):
         seen = _record_stepping_threads(llm)
         try:
@@ -84,7 +84,7 @@ def test_offline_and_grpc_traffic_at_once_give_the_same_tokens(llm):
     serial result, and the pool is whole afterwards (two steppers corrupt both)."""
     prompts = [rng_tokens(10 + 3 * i, 320, seed=50 + i) for i in range(12)]
     expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    config = ServerConfig(port=0, metrics_port=None, warmup=False)
+    config = ServerConfig(port=0, http_port=None, metrics_port=None, warmup=False)
     with serve_llm(llm, config) as (_, addr):
         remote: list = []
 
@@ -122,7 +122,7 @@ def test_a_second_thread_cannot_drive_an_engine_in_use(llm):
 def test_a_server_cannot_start_over_an_engine_in_use(llm):
     stream = llm.stream([5, 6, 7, 8], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     next(stream)
-    config = ServerConfig(port=0, metrics_port=None, warmup=False)
+    config = ServerConfig(port=0, http_port=None, metrics_port=None, warmup=False)
     with pytest.raises(EngineBusyError, match="an offline LLM.stream call"):
         with serve_llm(llm, config):
             pass

@@ -41,6 +41,7 @@ def secured(tiny_model_dir, pki):
     cfg = ServerConfig(
         port=0,
         metrics_port=None,
+        http_port=0,
         warmup=False,
         tls_cert_file=str(pki["server_cert"]),
         tls_key_file=str(pki["server_key"]),
@@ -76,6 +77,32 @@ def test_tls_and_token_auth(secured):
         with Client(addr, creds) as c, pytest.raises(grpc.RpcError) as err:
             c.model_info()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_http_api_takes_the_same_tls_and_tokens(secured, pki):
+    import ssl
+
+    import httpx
+
+    server, _, _ = secured
+    url = f"https://localhost:{server.http_port}"
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, **GREEDY}
+    mutual = ssl.create_default_context(cafile=str(pki["ca_cert"]))
+    mutual.load_cert_chain(str(pki["client_cert"]), str(pki["client_key"]))
+    with httpx.Client(verify=mutual, timeout=60) as http:
+        ok = http.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {ALICE}"})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789abcdef"}):
+            refused = http.post(f"{url}/v1/completions", json=body, headers=headers)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert http.get(f"{url}/v1/models").status_code == 401
+        assert http.get(f"{url}/health").status_code == 200  # open, as gRPC health is
+    no_client_cert = ssl.create_default_context(cafile=str(pki["ca_cert"]))
+    for client in (httpx.Client(verify=no_client_cert), httpx.Client()):
+        with client, pytest.raises(httpx.HTTPError):
+            client.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {ALICE}"}).json()
+    with httpx.Client() as plain, pytest.raises(httpx.HTTPError):  # no plaintext beside TLS
+        plain.post(f"http://localhost:{server.http_port}/v1/completions", json=body).json()
 
 
 def test_a_request_id_belongs_to_its_client(secured):
@@ -115,7 +142,9 @@ def test_undecodable_bodies_are_invalid_argument(served_plain):
 
 @pytest.fixture(scope="module")
 def served_plain(tiny_model_dir):
-    cfg = ServerConfig(port=0, metrics_port=None, warmup=False, max_requests_per_client=3, max_tokens_limit=500)
+    cfg = ServerConfig(
+        port=0, http_port=None, metrics_port=None, warmup=False, max_requests_per_client=3, max_tokens_limit=500
+    )
     with tiny_server(tiny_model_dir("llama3")[0], cfg, max_num_seqs=4) as (_, server, addr):
         yield server, addr
 
@@ -128,15 +157,27 @@ def test_a_second_server_on_a_taken_port_fails_naming_it(served_plain, tiny_mode
     llm = LLM(
         str(tiny_model_dir("llama3")[0]), dtype="float32", num_pages=64, max_num_seqs=2, progress=False, warmup=False
     )
-    other = Server(llm.handle, ServerConfig(port=taken, metrics_port=None, warmup=False), "tiny", progress=False)
+    other = Server(
+        llm.handle, ServerConfig(port=taken, http_port=None, metrics_port=None, warmup=False), "tiny", progress=False
+    )
     handle = ServerHandle(other)
     with pytest.raises(ConfigError, match=rf"server.port = {taken}: cannot listen on 127.0.0.1:{taken}"):
         handle.start()
     handle.stop()
     # ... and the same for a taken metrics port.
-    other = Server(llm.handle, ServerConfig(port=0, metrics_port=taken, warmup=False), "tiny", progress=False)
+    other = Server(
+        llm.handle, ServerConfig(port=0, http_port=None, metrics_port=taken, warmup=False), "tiny", progress=False
+    )
     handle = ServerHandle(other)
     with pytest.raises(ConfigError, match=rf"server.metrics_port = {taken}: cannot listen"):
+        handle.start()
+    handle.stop()
+    # ... and a taken HTTP port.
+    other = Server(
+        llm.handle, ServerConfig(port=0, http_port=taken, metrics_port=None, warmup=False), "tiny", progress=False
+    )
+    handle = ServerHandle(other)
+    with pytest.raises(ConfigError, match=rf"server.http_port = {taken}: cannot listen on 127.0.0.1:{taken}"):
         handle.start()
     handle.stop()
     with Client(f"127.0.0.1:{taken}") as c:  # the first server still owns its engine and port
@@ -175,7 +216,7 @@ def _settled_stats(client: Client) -> pb.ServerStats:
 
 
 def test_gauges_are_exact_after_a_cancel_storm(tiny_model_dir):
-    cfg = ServerConfig(port=0, metrics_port=None, warmup=False)
+    cfg = ServerConfig(port=0, http_port=None, metrics_port=None, warmup=False)
     with tiny_server(tiny_model_dir("llama3")[0], cfg, max_num_seqs=4, num_pages=120) as (llm, server, addr):
         with Client(addr) as c:
             before = c.server_stats()

@@ -39,7 +39,7 @@ def served(tiny_model_dir):
         while not gate.is_set():
             await asyncio.sleep(0.01)
 
-    cfg = ServerConfig(port=0, metrics_port=0, max_waiting_requests=64, drain_grace_seconds=5)
+    cfg = ServerConfig(port=0, http_port=None, metrics_port=0, max_waiting_requests=64, drain_grace_seconds=5)
     server = Server(llm.handle, cfg, str(path), progress=False, before_serving=before_serving)
     handle = ServerHandle(server)
     port = handle.start()
@@ -217,7 +217,7 @@ def test_invalid_input_is_rejected_by_name(served, kwargs, message):
 
 
 def test_full_queue_answers_resource_exhausted_then_recovers(tiny_model_dir):
-    config = ServerConfig(port=0, metrics_port=None, max_waiting_requests=2, warmup=False)
+    config = ServerConfig(port=0, http_port=None, metrics_port=None, max_waiting_requests=2, warmup=False)
     with tiny_server(tiny_model_dir("llama3")[0], config, num_pages=200, max_num_seqs=2) as (_, _, addr):
         _check_full_queue(addr)
 

@@ -196,7 +196,9 @@ def test_server_stream_with_emoji_and_cjk_equals_offline(smollm2_path):
     offline = [o.text for o in llm.generate(prompts, params)]
     assert any(ord(c) > 0x2E80 for c in offline[0]) and any(ord(c) > 0x1F000 for c in offline[1])
     handle = ServerHandle(
-        Server(llm.handle, ServerConfig(port=0, metrics_port=None, warmup=False), "smollm2", progress=False)
+        Server(
+            llm.handle, ServerConfig(port=0, http_port=None, metrics_port=None, warmup=False), "smollm2", progress=False
+        )
     )
     addr = f"127.0.0.1:{handle.start()}"
     try:

@@ -26,7 +26,9 @@ CLEAN = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 @pytest.fixture(scope="module")
 def soaked(tiny_model_dir):
-    cfg = ServerConfig(port=0, metrics_port=None, warmup=False, max_waiting_requests=32, max_tokens_limit=600)
+    cfg = ServerConfig(
+        port=0, http_port=None, metrics_port=None, warmup=False, max_waiting_requests=32, max_tokens_limit=600
+    )
     with tiny_server(tiny_model_dir("llama3")[0], cfg, max_num_seqs=4, num_pages=200) as (llm, server, addr):
         failures = check_every_step(server)
         yield llm, server, addr, failures

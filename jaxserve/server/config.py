@@ -39,11 +39,14 @@ def grpc_address(host: str, port: int) -> str:
 class ServerConfig:
     host: str = option(
         "127.0.0.1",
-        "gRPC and metrics listen here only (loopback by default).",
+        "gRPC, HTTP and metrics listen here only (loopback by default).",
         Rule(valid_host, "an IP address or a host name, without a port (e.g. 127.0.0.1, ::1)"),
     )
     port: int = option(50051, "gRPC port (0: any free port).", _PORT)
     metrics_port: int | None = option(9090, "Prometheus text format over HTTP (null: off).", _PORT)
+    http_port: int | None = option(
+        8000, "OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions...) on server.host (null: off).", _PORT
+    )
     max_waiting_requests: int = option(256, "Beyond this, new requests get RESOURCE_EXHAUSTED.", at_least(1))
     drain_grace_seconds: float = option(
         30.0, "On SIGTERM, in-flight requests may finish for this long.", at_least(0, "a number")

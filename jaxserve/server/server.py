@@ -1,4 +1,5 @@
-"""Serving: the gRPC server (grpc.aio), health, reflection, metrics, and graceful drain.
+"""Serving: the gRPC server (grpc.aio), the OpenAI-compatible HTTP API (uvicorn, same loop,
+same engine thread), health, reflection, metrics, and graceful drain.
 
 Start-up: bind, report NOT_SERVING, start the engine thread, which compiles every step
 bucket (warm-up) before its first step, report SERVING. SIGTERM (or ``ServerHandle.stop``):
@@ -9,11 +10,15 @@ period, end the rest with finish reason abort, stop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import socket
+import ssl
 import threading
 
 import grpc
+import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -25,6 +30,7 @@ from jaxserve.server.auth import TokenAuth, read_tokens
 from jaxserve.server.config import ServerConfig, grpc_address
 from jaxserve.server.interceptors import AuthInterceptor, DecodeInterceptor
 from jaxserve.server.metrics import Metrics
+from jaxserve.server.openai_api import OpenAIServer
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.server.servicer import JaxServeServicer
@@ -58,13 +64,27 @@ class Server:
         self.auth = TokenAuth(read_tokens(cfg.auth_tokens_file)) if cfg.auth_tokens_file else None
         self.servicer = JaxServeServicer(handle, self.engine_thread, model_name, cfg, self.auth, self.metrics)
         self.health = HealthServicer()
+        self.http = (
+            OpenAIServer(handle, self.engine_thread, model_name, cfg, self._state, self.auth, self.metrics)
+            if cfg.http_port is not None
+            else None
+        )
+        self._http_server: uvicorn.Server | None = None
+        self._http_tasks: list[asyncio.Task] = []
         self.port: int | None = None
+        self.http_port: int | None = None
         self.metrics_port: int | None = None
         self.on_bound = None  # called once the port accepts calls (before warm-up)
         self._stop: asyncio.Event | None = None
         self._stop_now = False  # a second stop request: skip the rest of the grace period
         self._serving = False
         self._server: grpc.aio.Server | None = None
+
+    def _state(self) -> str:
+        """For the HTTP front end: warming_up, serving or draining."""
+        if self._stop is not None and self._stop.is_set():
+            return "draining"
+        return "serving" if self._serving else "warming_up"
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
@@ -90,6 +110,7 @@ class Server:
             self.engine_thread.release()
             if self._server is not None:
                 await self._server.stop(None)
+            await self._stop_http()
             self.servicer.close()
             self.metrics.stop()
             raise
@@ -124,6 +145,8 @@ class Server:
                     f"{grpc_address(self.cfg.host, self.cfg.metrics_port)} ({e.strerror or e}); "
                     f"choose a free port, or null to turn metrics off"
                 ) from None
+        if self.http is not None:  # bound before warm-up too: /health answers 503 until SERVING
+            await self._start_http()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         if self.on_bound is not None:
@@ -140,6 +163,47 @@ class Server:
             await self.before_serving()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._serving = True
+
+    async def _start_http(self) -> None:
+        cfg = self.cfg
+        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((cfg.host, cfg.http_port))
+        except OSError as e:
+            sock.close()
+            raise ConfigError(
+                f"server.http_port = {cfg.http_port}: cannot listen on {grpc_address(cfg.host, cfg.http_port)} "
+                f"({e.strerror or e}); choose a free port, or null to turn the HTTP API off"
+            ) from None
+        self.http_port = sock.getsockname()[1]
+        tls = {}
+        if cfg.tls:  # the same certificate, and the same client CA, as gRPC's
+            tls = dict(ssl_certfile=cfg.tls_cert_file, ssl_keyfile=cfg.tls_key_file)
+            if cfg.tls_client_ca_file is not None:
+                tls.update(ssl_ca_certs=cfg.tls_client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        config = uvicorn.Config(
+            self.http.app, log_config=None, lifespan="off", timeout_graceful_shutdown=2, access_log=False, **tls
+        )
+        self._http_server = http = _EmbeddedUvicorn(config)
+        self._http_socket = sock
+        self._http_tasks.append(asyncio.ensure_future(http.serve(sockets=[sock])))
+        while not http.started:  # bound already; this waits for its accept loop
+            if self._http_tasks[0].done():
+                self._http_tasks[0].result()  # re-raises why it could not start
+                raise ConfigError("server.http_port: the HTTP server stopped during start-up")
+            await asyncio.sleep(0.01)
+
+    async def _stop_http(self) -> None:
+        http = self._http_server
+        if http is None:
+            return
+        self._http_server = None
+        http.should_exit = True  # its loop notices within 0.1 s, closes connections, returns
+        await asyncio.gather(*self._http_tasks, return_exceptions=True)  # a failed start is raised already
+        self._http_tasks.clear()
+        self._http_socket.close()
+        self.http.close()
 
     def _bind(self, server: grpc.aio.Server) -> int:
         cfg = self.cfg
@@ -188,8 +252,18 @@ class Server:
         await loop.run_in_executor(None, self.engine_thread.stop)
         await asyncio.sleep(0.1)  # let the final messages reach their streams
         await self._server.stop(grace=1.0)
+        await self._stop_http()
         self.servicer.close()
         self.metrics.stop()
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn on our event loop, leaving the process's signals to ``jaxserve run`` (whose
+    SIGTERM drains both transports together)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
 
 
 def _read(path: str) -> bytes:

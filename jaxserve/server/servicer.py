@@ -24,6 +24,7 @@ from jaxserve.server.config import ServerConfig
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
+from jaxserve.server.submit import merged, sample_ids, submit_all
 from jaxserve.server.validation import validate
 
 MAX_DETAILS_CHARS = 1000  # status details travel as metadata: never echo a large input back
@@ -121,12 +122,11 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e))
         request_id = request.request_id or f"{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         # n > 1: one engine request per sample ("id", "id#1", ...), all submitted at once.
-        sample_ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
-        queues = []
+        engine_ids = sample_ids(request_id, params.n)
+        jobs = [(i, ids, sample) for i, sample in zip(engine_ids, params.samples(), strict=True)]
         try:
-            for sample_id, sample in zip(sample_ids, params.samples(), strict=True):
-                queues.append(self.engine.submit(sample_id, ids, sample, client=self.client(context), pin_s=pin_s))
-            self._samples[request_id] = sample_ids
+            queues = submit_all(self.engine, jobs, self.client(context), pin_s)
+            self._samples[request_id] = engine_ids
             return request_id, queues
         except RequestError as e:  # a pin_s the engine cannot give
             error = (grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(e))
@@ -136,36 +136,15 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             error = (grpc.StatusCode.UNAVAILABLE, "shutting_down", str(e))
         except RequestIdInUseError as e:
             error = (grpc.StatusCode.ALREADY_EXISTS, "request_id_in_use", str(e))
-        for sample_id in sample_ids[: len(queues)]:  # the samples that got in go again
-            self.engine.abort(sample_id)
         await self._refuse(context, *error)
 
     async def _deltas(self, request_id: str, queues: list[asyncio.Queue], context):
         """(sample index, delta) of every sample as they come, until each has finished."""
         try:
-            if len(queues) == 1:  # n = 1, every ordinary call: read it directly, no task per delta
-                while True:
-                    delta = await queues[0].get()
-                    if delta.error is not None:
-                        await context.abort(grpc.StatusCode.INTERNAL, delta.error)
-                    yield 0, delta
-                    if delta.finish_reason is not None:
-                        return
-            getters = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
-            try:
-                while getters:
-                    done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
-                    for future in done:
-                        i = getters.pop(future)
-                        delta = future.result()
-                        if delta.error is not None:
-                            await context.abort(grpc.StatusCode.INTERNAL, delta.error)
-                        yield i, delta
-                        if delta.finish_reason is None:
-                            getters[asyncio.ensure_future(queues[i].get())] = i
-            finally:
-                for future in getters:
-                    future.cancel()
+            async for i, delta in merged(queues):
+                if delta.error is not None:
+                    await context.abort(grpc.StatusCode.INTERNAL, delta.error)
+                yield i, delta
         finally:
             # Cancelled (client gone, deadline) or closed early: free the engine's pages.
             for sample_id in self._samples.pop(request_id, [request_id]):

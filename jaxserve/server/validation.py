@@ -50,16 +50,28 @@ def _from_wire(msg: pb.SamplingParams) -> dict:
 def sampling_params(
     msg: pb.SamplingParams, prompt_len: int, max_model_len: int, max_tokens_limit: int | None = None
 ) -> SamplingParams:
-    kwargs = _from_wire(msg)
+    return checked_params(_from_wire(msg), prompt_len, max_model_len, max_tokens_limit)
+
+
+def checked_params(
+    kwargs: dict,
+    prompt_len: int,
+    max_model_len: int,
+    max_tokens_limit: int | None = None,
+    default_max_tokens: int = 1024,
+) -> SamplingParams:
+    """SamplingParams(**kwargs) within the context and the server's cap; max_tokens, when
+    not given, is ``default_max_tokens`` or the room left, whichever is less."""
+    kwargs = dict(kwargs)
     room = max_model_len - prompt_len
     cap = room if max_tokens_limit is None else min(room, max_tokens_limit)
-    max_tokens = kwargs.setdefault("max_tokens", min(cap, 1024))
-    if max_tokens_limit is not None and max_tokens > max_tokens_limit:
+    max_tokens = kwargs.setdefault("max_tokens", min(cap, default_max_tokens))
+    if max_tokens_limit is not None and isinstance(max_tokens, int) and max_tokens > max_tokens_limit:
         raise RequestError(
             f"sampling_params.max_tokens = {max_tokens}: this server allows at most {max_tokens_limit} "
             f"(server.max_tokens_limit)"
         )
-    if max_tokens > room:
+    if isinstance(max_tokens, int) and max_tokens > room:
         raise RequestError(
             f"sampling_params.max_tokens = {max_tokens}: prompt ({prompt_len} tokens) + max_tokens must be "
             f"<= max_model_len ({max_model_len}); at most {room} here"

@@ -1,0 +1,62 @@
+"""What the gRPC and HTTP front ends share between validating a request and answering it:
+submitting its samples to the engine thread together, and reading their deltas as they
+come. Transport-free: each front end maps the errors to its own status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+from jaxserve.engine.async_engine import Delta, EngineThread
+from jaxserve.sampling_params import SamplingParams
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The engine ids of a request's n samples: ``id``, ``id#1``, ..."""
+    return [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
+
+
+def submit_all(
+    engine: EngineThread,
+    jobs: Sequence[tuple[str, list[int], SamplingParams]],
+    client: str,
+    pin_s: float | None = None,
+) -> list[asyncio.Queue]:
+    """Submits every ``(engine id, prompt ids, params)`` job, in order; returns their delta
+    queues. All or none: if one is refused (RequestError, QueueFullError,
+    EngineStoppedError, RequestIdInUseError), the ones already in are aborted and the
+    error is raised."""
+    queues = []
+    try:
+        for engine_id, ids, params in jobs:
+            queues.append(engine.submit(engine_id, ids, params, client=client, pin_s=pin_s))
+    except Exception:
+        for engine_id, _, _ in jobs[: len(queues)]:
+            engine.abort(engine_id)
+        raise
+    return queues
+
+
+async def merged(queues: Sequence[asyncio.Queue]) -> AsyncIterator[tuple[int, Delta]]:
+    """(job index, delta) of every job as they come, until each has its final delta.
+    A delta with ``error`` is yielded like any other (its job has ended)."""
+    if len(queues) == 1:  # the ordinary call: read it directly, no task per delta
+        while True:
+            delta = await queues[0].get()
+            yield 0, delta
+            if delta.finish_reason is not None or delta.error is not None:
+                return
+    getters = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
+    try:
+        while getters:
+            done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = getters.pop(future)
+                delta = future.result()
+                yield i, delta
+                if delta.finish_reason is None and delta.error is None:
+                    getters[asyncio.ensure_future(queues[i].get())] = i
+    finally:
+        for future in getters:
+            future.cancel()

@@ -1,0 +1,325 @@
+"""The OpenAI-compatible HTTP API, end to end: a real server (gRPC + HTTP on free loopback
+ports, one engine) called with the official ``openai`` client, sync, async and streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.client import Client, wait_until_serving
+from jaxserve.server.config import ServerConfig
+from jaxserve.server.server import SERVICE_NAME, Server, ServerHandle
+from tests.conftest import rng_tokens
+
+GREEDY = dict(temperature=0.0)
+NO_EOS = {"ignore_eos": True}  # vLLM's extra, through extra_body
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def api(tiny_model_dir):
+    path, _ = tiny_model_dir("llama3")
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        page_size=16,
+        num_pages=400,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        progress=False,
+        warmup=False,
+    )
+    gate = threading.Event()
+
+    async def before_serving():
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+
+    cfg = ServerConfig(port=0, http_port=0, metrics_port=None, max_waiting_requests=64)
+    server = Server(llm.handle, cfg, "tiny", progress=False, before_serving=before_serving)
+    handle = ServerHandle(server)
+    port = handle.start()
+    while server.http_port is None:
+        time.sleep(0.01)
+    base = f"http://127.0.0.1:{server.http_port}"
+    warming = (
+        httpx.get(f"{base}/health"),
+        httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+    )
+    gate.set()
+    wait_until_serving(f"127.0.0.1:{port}", timeout=300, service=SERVICE_NAME)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    yield llm, server, f"127.0.0.1:{port}", base, client, warming
+    client.close()
+    handle.stop()
+
+
+def test_warming_up_is_503_then_health_and_models(api):
+    llm, server, _, base, client, (health, completion) = api
+    assert health.status_code == 503
+    assert completion.status_code == 503 and "warming up" in completion.json()["error"]["message"]
+    assert httpx.get(f"{base}/health").status_code == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_chat_and_completions_match_grpc_and_offline(api):
+    llm, server, addr, base, client, _ = api
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, extra_body=NO_EOS, **GREEDY)
+    completion = client.completions.create(
+        model="tiny", prompt="The capital of France", max_tokens=12, extra_body=NO_EOS, **GREEDY
+    )
+    with Client(addr) as c:
+        grpc_chat = c.generate(CHAT, max_tokens=12, ignore_eos=True, **GREEDY)
+        grpc_text = c.generate("The capital of France", max_tokens=12, ignore_eos=True, **GREEDY)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY)
+    offline = llm.generate(["The capital of France"], params)[0]
+    assert chat.choices[0].message.content == grpc_chat.text and grpc_chat.text
+    assert chat.choices[0].message.role == "assistant"
+    assert completion.choices[0].text == grpc_text.text == offline.text
+    assert chat.choices[0].finish_reason == completion.choices[0].finish_reason == "length"
+    usage = completion.usage
+    assert usage.completion_tokens == 12 and usage.prompt_tokens == len(llm.handle.encode("The capital of France"))
+    assert usage.total_tokens == usage.prompt_tokens + 12
+
+
+def test_streaming_sync_and_async_give_the_same_text(api):
+    llm, server, addr, base, client, _ = api
+    whole = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, extra_body=NO_EOS, **GREEDY)
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=CHAT,
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=NO_EOS,
+            **GREEDY,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as aclient:
+            streams = [
+                await aclient.completions.create(
+                    model="tiny", prompt=f"Machine learning {i}", max_tokens=8, stream=True, extra_body=NO_EOS, **GREEDY
+                )
+                for i in range(4)
+            ]
+
+            async def read(s):
+                return "".join([c.choices[0].text async for c in s])
+
+            streamed = await asyncio.gather(*(read(s) for s in streams))
+            whole = await asyncio.gather(
+                *(
+                    aclient.completions.create(
+                        model="tiny", prompt=f"Machine learning {i}", max_tokens=8, extra_body=NO_EOS, **GREEDY
+                    )
+                    for i in range(4)
+                )
+            )
+            return streamed, [w.choices[0].text for w in whole]
+
+    streamed, whole = asyncio.run(run())
+    assert streamed == whole
+
+
+def test_n_samples_several_prompts_and_echo(api):
+    llm, server, addr, base, client, _ = api
+    out = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=6, n=2, temperature=1.0, seed=7, extra_body=NO_EOS
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.completion_tokens == 12
+    assert out.usage.prompt_tokens == len(llm.handle.encode(CHAT))  # once, not per sample
+    prompts = ["Deep learning", "The capital"]
+    many = client.completions.create(model="tiny", prompt=prompts, max_tokens=4, n=2, extra_body=NO_EOS, **GREEDY)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.choices[0].text == many.choices[1].text  # greedy samples of one prompt agree
+    alone = [
+        client.completions.create(model="tiny", prompt=p, max_tokens=4, extra_body=NO_EOS, **GREEDY) for p in prompts
+    ]
+    assert [many.choices[0].text, many.choices[2].text] == [a.choices[0].text for a in alone]
+    echo = client.completions.create(
+        model="tiny", prompt="Deep learning", max_tokens=4, echo=True, extra_body=NO_EOS, **GREEDY
+    )
+    assert echo.choices[0].text == "Deep learning" + alone[0].choices[0].text
+    ids = client.completions.create(
+        model="tiny", prompt=llm.handle.encode("Deep learning"), max_tokens=4, extra_body=NO_EOS, **GREEDY
+    )
+    assert ids.choices[0].text == alone[0].choices[0].text
+
+
+def test_logprobs_match_grpc(api):
+    llm, server, addr, base, client, _ = api
+    chat = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=5, logprobs=True, top_logprobs=3, extra_body=NO_EOS, **GREEDY
+    )
+    with Client(addr) as c:
+        ref = c.generate(CHAT, max_tokens=5, logprobs=3, ignore_eos=True, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert [e.logprob for e in content] == pytest.approx(list(ref.logprobs), abs=1e-6)
+    assert all(len(e.top_logprobs) == 3 for e in content)
+    assert [e.token for e in content] == [llm.handle.tokenizer.decode([t]) for t in ref.token_ids]
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    completion = client.completions.create(
+        model="tiny", prompt="Deep learning", max_tokens=4, logprobs=2, extra_body=NO_EOS, **GREEDY
+    )
+    lp = completion.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == completion.choices[0].text
+
+
+def test_cached_tokens_in_usage(api):
+    llm, server, addr, base, client, _ = api
+    prompt = rng_tokens(120, 300, seed=41)
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body=NO_EOS, **GREEDY)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body=NO_EOS, **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= 112  # whole pages of the first
+
+
+BAD = [
+    (dict(temperature=-1.0), "temperature", "temperature = -1.0: must be a number >= 0"),
+    (dict(top_p=1.5), "top_p", "top_p = 1.5"),
+    (dict(max_tokens=-2), "max_tokens", "max_tokens = -2"),
+    (dict(max_tokens=5000), "max_tokens", "prompt .* \\+ max_tokens must be <= max_model_len"),
+    (dict(n=0), "n", "n = 0: must be an integer in \\[1, 64\\]"),
+    (dict(extra_body={"temperature": "hot"}), "temperature", "temperature: Input should be a valid number"),
+    (dict(extra_body={"top_k": -5}), "top_k", "top_k = -5"),
+    (dict(model="gpt-4"), "model", "model = 'gpt-4': this server serves 'tiny'"),
+    (dict(prompt=""), "prompt", "prompt: the prompt is empty"),
+    (dict(prompt=[1, 2, 999]), "prompt[2]", "prompt\\[2\\] = 999: out of range"),
+    (dict(prompt="x", extra_body={"response_format": {"type": "json_object"}}), "response_format", "structured"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias", "logit_bias: not supported"),
+    (dict(suffix="end"), "suffix", "suffix: not supported"),
+]
+
+
+@pytest.mark.parametrize("kwargs, param, message", BAD)
+def test_a_bad_value_is_a_400_naming_the_field(api, kwargs, param, message):
+    import re
+
+    llm, server, addr, base, client, _ = api
+    args = dict(model="tiny", prompt="Deep learning", max_tokens=4) | kwargs
+    with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as e:
+        client.completions.create(**args)
+    error = e.value.body
+    assert error["param"] == param, error
+    assert re.search(message, error["message"]), error
+
+
+def test_bad_chat_input_and_bodies_are_400(api):
+    llm, server, addr, base, client, _ = api
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "hi"}])
+    assert e.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=-1)
+    assert e.value.body["param"] == "max_completion_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[])
+    assert e.value.body["param"] == "messages"
+    raw = httpx.post(f"{base}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    missing = httpx.post(f"{base}/v1/completions", json={"model": "tiny"})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "prompt"
+    # Unknown fields are ignored, as OpenAI's API does.
+    ok = httpx.post(
+        f"{base}/v1/completions",
+        json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 0, "no_such_field": 1},
+    )
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_tokenize_and_detokenize(api):
+    llm, server, addr, base, client, _ = api
+    ids = llm.handle.encode("Deep learning")
+    got = httpx.post(f"{base}/tokenize", json={"prompt": "Deep learning"}).json()
+    assert got["tokens"] == ids and got["count"] == len(ids)
+    chat = httpx.post(f"{base}/tokenize", json={"messages": CHAT}).json()
+    assert chat["tokens"] == llm.handle.encode(CHAT)
+    assert httpx.post(f"{base}/detokenize", json={"tokens": ids}).json()["prompt"] == "Deep learning"
+    bad = httpx.post(f"{base}/detokenize", json={"tokens": [1, 10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
+
+
+def _wait_until_idle(llm, server, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while server.engine_thread.num_active or llm.stats()["kv_pages_held"]:
+        assert time.time() < deadline, llm.stats()
+        time.sleep(0.02)
+
+
+def test_a_disconnected_stream_or_call_frees_its_pages(api):
+    llm, server, addr, base, client, _ = api
+    _wait_until_idle(llm, server)
+    body = {"model": "tiny", "prompt": rng_tokens(40, 300, seed=9), "max_tokens": 900, "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{base}/v1/completions", json=body | {"stream": True}) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+            assert server.engine_thread.num_active == 1
+        # Closed: the engine aborts it at a step boundary and its pages go back.
+    _wait_until_idle(llm, server)
+    stream = [s for s in server.engine_thread.aborted.items() if s[0] == "cancelled"]
+    assert stream and stream[0][1] >= 1
+
+    # Not streaming: the client gives up (a read timeout) before the request can finish
+    # (the engine thread is held between steps until then), and goes away.
+    before = server.engine_thread.aborted["cancelled"]
+    release = threading.Event()
+    held = threading.Thread(target=server.engine_thread.call, args=(lambda engine: release.wait(60),))
+    held.start()
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    finally:
+        release.set()
+        held.join()
+    _wait_until_idle(llm, server)
+    assert server.engine_thread.aborted["cancelled"] == before + 1
+    assert llm.stats()["kv_pages_held"] == 0
+    llm.scheduler.check_integrity()
+
+
+def test_a_full_queue_is_429_then_recovers(tiny_model_dir):
+    from tests.conftest import tiny_server
+
+    config = ServerConfig(port=0, http_port=0, metrics_port=None, max_waiting_requests=2, warmup=False)
+    with tiny_server(tiny_model_dir("llama3")[0], config, num_pages=200, max_num_seqs=2) as (llm, server, addr):
+        base = f"http://127.0.0.1:{server.http_port}/v1"
+
+        async def run():
+            async with openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0) as aclient:
+
+                async def one(i):
+                    try:
+                        await aclient.completions.create(
+                            model="tiny", prompt=[5, 6, 7 + i], max_tokens=40, extra_body=NO_EOS, **GREEDY
+                        )
+                        return "ok"
+                    except openai.RateLimitError as e:
+                        assert e.body["code"] == "rate_limit_exceeded"
+                        return 429
+
+                return await asyncio.gather(*(one(i) for i in range(12)))
+
+        codes = asyncio.run(run())
+        assert 429 in codes and "ok" in codes
+        with openai.OpenAI(base_url=base, api_key="unused", max_retries=0) as c:
+            assert c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, **GREEDY).usage.completion_tokens
