@@ -209,13 +209,13 @@ class StepCompiler:
 
     def compile_forward(self, tokens: int, seqs: int) -> Compiled:
         """The model half of the step for bucket (tokens, seqs)."""
-        md, feed_rows, _, _ = self._inputs(tokens, seqs)
+        md, feed_rows, *_ = self._inputs(tokens, seqs)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
             return Compiled.of(self._forward, self.state, self.kv_cache, md, feed_rows, self.feed_tokens)
 
     def compile_sample(self, seqs: int, penalties: bool = False) -> Compiled:
         """The sampler for sequence bucket ``seqs`` (the penalised variant if asked)."""
-        _, _, smd, pmd = self._inputs(seqs, seqs, penalties)
+        _, _, smd, pmd, _ = self._inputs(seqs, seqs, penalties)
         logits = jax.ShapeDtypeStruct((seqs, self.vocab_size), np.float32, sharding=self.replicated)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
             return Compiled.of(self._sample, logits, smd, pmd, self.feed_tokens)

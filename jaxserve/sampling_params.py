@@ -11,6 +11,8 @@ MAX_STOP_TOKEN_IDS = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_N = 64  # samples of one prompt
+MAX_GRAMMAR_CHARS = 100_000  # a JSON schema, regex or Lark grammar
+MAX_CHOICES = 256
 # Below this a temperature divides logits past float32's range; 0 asks for greedy plainly.
 MIN_TEMPERATURE = 0.01
 
@@ -60,12 +62,24 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, matched across token boundaries
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured output (at most one): the output is a JSON document valid under this JSON
+    # schema (its JSON text), any JSON object, a full match of this regex, exactly one of
+    # these strings, or a sentence of this Lark grammar (llguidance's dialect). The request
+    # ends when the constraint is met and nothing more may follow.
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] = ()
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.choice, str):
+            object.__setattr__(self, "choice", (self.choice,))
+        object.__setattr__(self, "choice", tuple(self.choice))
         checks = [
             (
                 "max_tokens",
@@ -145,9 +159,34 @@ class SamplingParams:
                 f"at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_LEN} characters",
             ),
         ]
+        text = "a non-empty string of at most {} characters"
+        for name, limit in (
+            ("json_schema", MAX_GRAMMAR_CHARS),
+            ("regex", MAX_GRAMMAR_CHARS),
+            ("grammar", MAX_GRAMMAR_CHARS),
+        ):
+            value = getattr(self, name)
+            checks.append(
+                (name, value is None or (isinstance(value, str) and 0 < len(value) <= limit), text.format(limit))
+            )
+        checks.append(("json_object", isinstance(self.json_object, bool), "true or false"))
+        checks.append(
+            (
+                "choice",
+                len(self.choice) <= MAX_CHOICES
+                and all(isinstance(c, str) and 0 < len(c) <= MAX_STOP_STRING_LEN for c in self.choice),
+                f"at most {MAX_CHOICES} non-empty strings of at most {MAX_STOP_STRING_LEN} characters",
+            )
+        )
         for field, ok, allowed in checks:
             if not ok:
                 raise RequestError(f"sampling_params.{field} = {_shown(getattr(self, field))}: must be {allowed}")
+        given = [k for k in ("json_schema", "json_object", "regex", "choice", "grammar") if getattr(self, k)]
+        if len(given) > 1:
+            raise RequestError(
+                f"sampling_params.{given[1]}: only one structured-output constraint per request; "
+                f"{' and '.join(given)} are set"
+            )
 
     def samples(self) -> list[SamplingParams]:
         """One SamplingParams per sample (n of them, each n = 1): sample i's seed is derived
@@ -156,6 +195,11 @@ class SamplingParams:
             return [self]
         seeds = [None if self.seed is None else (self.seed + i * 0x9E3779B97F4A7C15) % 2**63 for i in range(self.n)]
         return [dataclasses.replace(self, n=1, seed=seed) for seed in seeds]
+
+    @property
+    def is_constrained(self) -> bool:
+        """Structured output: one of json_schema, json_object, regex, choice, grammar."""
+        return bool(self.json_schema or self.json_object or self.regex or self.choice or self.grammar)
 
     @property
     def has_penalties(self) -> bool:

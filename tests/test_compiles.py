@@ -1,7 +1,7 @@
 """Fixed shapes are a contract: after warm-up, no request mix compiles anything.
 
 A property test over random mixes of sampling parameters (greedy and sampled, penalties,
-logprobs, stop ids, min_tokens, seeds, ignore_eos) and prompt / output lengths, with
+logprobs, stop ids, min_tokens, seeds, ignore_eos, structured output) and prompt / output lengths, with
 prefix sharing and preemption in play, stepping through the same engine every time.
 """
 
@@ -45,6 +45,7 @@ sampling = st.builds(
     presence_penalty=st.sampled_from([0.0, 0.0, 0.5]),
     frequency_penalty=st.sampled_from([0.0, 0.0, -0.3]),
     logprobs=st.sampled_from([None, None, 0, 5]),
+    regex=st.sampled_from([None, None, None, "[a-z ]{1,30}"]),  # structured output: its sampler variant
 )
 requests = st.lists(
     st.tuples(

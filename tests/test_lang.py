@@ -151,6 +151,30 @@ def test_forks_stream_and_errors(llm):
             lang.ProgramState(backend).fork(0)
 
 
+def test_a_gen_takes_a_structured_output_constraint(llm):
+    import json
+    import re
+
+    @lang.function
+    def card(s, name):
+        s += lang.user(f"A card for {name}")
+        s += lang.assistant(lang.gen("id", max_tokens=20, temperature=1.0, seed=2, regex=r"[A-Z]{2}-[0-9]{3}"))
+        s += lang.gen("info", max_tokens=60, temperature=1.0, seed=3, json_schema=json.dumps(CARD))
+
+    with lang.LLMBackend(llm) as backend:
+        state = card.run(backend, name="Ada")
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", state["id"])
+    assert json.loads(state["info"])["level"] in (1, 2, 3)
+
+
+CARD = {
+    "type": "object",
+    "properties": {"level": {"enum": [1, 2, 3]}, "ok": {"type": "boolean"}},
+    "required": ["level", "ok"],
+    "additionalProperties": False,
+}
+
+
 @lang.function
 def quiz(s, q):
     s += lang.user(q)

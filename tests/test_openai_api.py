@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -203,7 +205,18 @@ BAD = [
     (dict(model="gpt-4"), "model", "model = 'gpt-4': this server serves 'tiny'"),
     (dict(prompt=""), "prompt", "prompt: the prompt is empty"),
     (dict(prompt=[1, 2, 999]), "prompt[2]", "prompt\\[2\\] = 999: out of range"),
-    (dict(prompt="x", extra_body={"response_format": {"type": "json_object"}}), "response_format", "structured"),
+    (
+        dict(extra_body={"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}}),
+        "response_format",
+        "response_format: .*bogus",
+    ),
+    (dict(extra_body={"response_format": {"type": "yaml"}}), "response_format.type", "must be one of text"),
+    (dict(extra_body={"guided_regex": "(open"}), "guided_regex", "guided_regex: .*unclosed"),
+    (
+        dict(extra_body={"guided_regex": "a", "guided_choice": ["a"]}),
+        "guided_choice",
+        "only one structured-output constraint",
+    ),
     (dict(logit_bias={"5": 1.0}), "logit_bias", "logit_bias: not supported"),
     (dict(suffix="end"), "suffix", "suffix: not supported"),
 ]
@@ -211,15 +224,13 @@ BAD = [
 
 @pytest.mark.parametrize("kwargs, param, message", BAD)
 def test_a_bad_value_is_a_400_naming_the_field(api, kwargs, param, message):
-    import re
-
     llm, server, addr, base, client, _ = api
     args = dict(model="tiny", prompt="Deep learning", max_tokens=4) | kwargs
     with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as e:
         client.completions.create(**args)
     error = e.value.body
     assert error["param"] == param, error
-    assert re.search(message, error["message"]), error
+    assert re.search(message, error["message"], re.S), error
 
 
 def test_bad_chat_input_and_bodies_are_400(api):
@@ -243,6 +254,46 @@ def test_bad_chat_input_and_bodies_are_400(api):
         json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 0, "no_such_field": 1},
     )
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_structured_output_over_http_and_grpc(api):
+    llm, server, addr, base, client, _ = api
+    schema = {
+        "type": "object",
+        "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["kind", "age"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema, "strict": True}}
+    chat = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=60, temperature=1.0, seed=3, response_format=fmt
+    )
+    assert chat.choices[0].finish_reason == "stop"
+    pet = json.loads(chat.choices[0].message.content)
+    assert pet["kind"] in ("cat", "dog") and 0 <= pet["age"] <= 9
+    regex = r"[0-9]{2}-[a-c]{3}"
+    done = client.completions.create(
+        model="tiny", prompt="Deep learning", max_tokens=30, temperature=1.0, seed=4, extra_body={"guided_regex": regex}
+    )
+    assert re.fullmatch(regex, done.choices[0].text)
+    picked = client.completions.create(
+        model="tiny",
+        prompt="Deep",
+        max_tokens=30,
+        n=3,
+        temperature=1.0,
+        extra_body={"guided_choice": ["left", "right"]},
+    )
+    assert {c.text for c in picked.choices} <= {"left", "right"}
+    # The same request over gRPC and offline gives the same text.
+    with Client(addr) as c:
+        over_grpc = c.generate("Deep learning", max_tokens=30, temperature=1.0, seed=4, regex=regex)
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("Deep learning", max_tokens=3, regex="(open")
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert re.search("sampling_params.regex: .*unclosed", e.value.details(), re.S)
+    offline = llm.generate(["Deep learning"], SamplingParams(max_tokens=30, temperature=1.0, seed=4, regex=regex))[0]
+    assert over_grpc.text == offline.text == done.choices[0].text
 
 
 def test_tokenize_and_detokenize(api):

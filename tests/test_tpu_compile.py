@@ -92,7 +92,7 @@ def test_the_lm_head_is_never_gathered():
     """With the vocabulary sharded, each device computes its logit columns; the step must
     all-gather the logits ([S, V] floats), never the LM head's weights ([E, V])."""
     compiler = config_compiler("llama3-8b-tpu-v5e.yaml", "v5e:2x2")
-    md, feed_rows, _, _ = compiler._inputs(64, 64)
+    md, feed_rows, *_ = compiler._inputs(64, 64)
     with jax.sharding.use_abstract_mesh(compiler.mesh.abstract_mesh):
         lowered = compiler._forward.lower(compiler.state, compiler.kv_cache, md, feed_rows, compiler.feed_tokens)
         text = lowered.compile().as_text()

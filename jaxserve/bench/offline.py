@@ -11,7 +11,9 @@ output length). Rows:
   and no other joins until all of them have finished (done here, by submitting in
   batches, so the scheduler carries no benchmark-only mode);
 * ``--hf-batch B[,B...]``: transformers ``generate`` in float32, padded batches of B
-  (needs torch and transformers, the test extra).
+  (needs torch and transformers, the test extra);
+* ``--constrained REGEX``: the config with every request under structured output (the
+  regex): what the host's token masks and the sampler's masked variant cost.
 
 Per engine row: steps, compiles after warm-up, a digest of every output token id (two
 runs with the same digest produced the same greedy outputs, e.g. the same run on two
@@ -41,6 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static", action="store_true", help="add the config in static batching")
     p.add_argument("--hf-batch", default=None, help="comma-separated transformers batch sizes, each a row")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--constrained",
+        metavar="REGEX",
+        default=None,
+        help="add the config with every request constrained to REGEX (structured output's cost); "
+        "its requests may end early, when the regex is complete: tok/s counts what they produced",
+    )
 
 
 def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int, seed: int):
@@ -48,8 +57,8 @@ def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: in
     return [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*output)) for _ in range(n)]
 
 
-def run_engine(cfg, work, static: bool, quiet: bool) -> tuple[float, str]:
-    """Runs the workload on a fresh engine; returns (seconds, profile line)."""
+def run_engine(cfg, work, static: bool, quiet: bool, regex: str | None = None) -> tuple[float, int, str]:
+    """Runs the workload on a fresh engine; returns (seconds, output tokens, profile line)."""
     from jaxserve import LLM, SamplingParams
 
     llm = LLM(config=cfg, progress=not quiet)  # warmed up: the workload alone is timed
@@ -60,14 +69,16 @@ def run_engine(cfg, work, static: bool, quiet: bool) -> tuple[float, str]:
     outputs = []
     t0 = time.perf_counter()
     for i in range(0, len(work), batch):
-        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work[i : i + batch]]
+        params = [
+            SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, regex=regex) for _, m in work[i : i + batch]
+        ]
         reqs = [llm.engine.add_request(ids, p) for (ids, _), p in zip(work[i : i + batch], params, strict=True)]
         while llm.engine.has_unfinished():
             llm.engine.step()
         outputs += [r.output_token_ids for r in reqs]
     elapsed = time.perf_counter() - t0
     llm.runner.recording = None
-    if [len(o) for o in outputs] != [m for _, m in work]:
+    if regex is None and [len(o) for o in outputs] != [m for _, m in work]:
         raise RuntimeError("a request did not produce its output length")
     stats, eng, run = llm.stats(), llm.engine.timings, llm.runner.timings
     steps = stats["steps"]
@@ -82,7 +93,7 @@ def run_engine(cfg, work, static: bool, quiet: bool) -> tuple[float, str]:
         f"{eng['schedule_s'] * ms:.2f} of which pack and send {run['pack_s'] * ms:.2f}, update {eng['update_s'] * ms:.2f}), "
         f"waiting on the device {run['device_s'] * ms:.1f} ms; step inputs {llm.runner.input_bytes / steps / 1e3:.1f} kB"
     )
-    return elapsed, profile
+    return elapsed, sum(len(o) for o in outputs), profile
 
 
 def run_hf(model_path, work, batch: int) -> float:
@@ -122,27 +133,30 @@ def main(args: argparse.Namespace) -> int:
     from jaxserve.models.fetch import default_cache_dir, resolve_model
 
     base = engine_config(args)
-    rows = [("config", base, False)]
+    rows = [("config", base, False, None)]
     for v in args.variant:
         name, sets = parse_variant(v)
-        rows.append((name, engine_config(args, *sets), False))
+        rows.append((name, engine_config(args, *sets), False, None))
     if args.static:
-        rows.append(("static batching", base, True))
+        rows.append(("static batching", base, True, None))
+    if args.constrained:
+        rows.append((f"constrained to {args.constrained}", base, False, args.constrained))
     model_path = resolve_model(base.model, base.cache_dir)
     vocab = open_checkpoint(model_path, base.cache_dir or default_cache_dir()).config.vocab_size  # as assemble opens it
     work = workload(args.requests, args.prompt, args.output, vocab, args.seed)
     prompt_tokens, output_tokens = sum(len(ids) for ids, _ in work), sum(m for _, m in work)
     print(f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens, model {base.model}")
-    seconds = {}
-    for name, cfg, static in rows:
-        seconds[name], profile = run_engine(cfg, work, static, args.quiet)
+    seconds, produced = {}, {}
+    for name, cfg, static, regex in rows:
+        seconds[name], produced[name], profile = run_engine(cfg, work, static, args.quiet, regex)
         print(f"  {name}: {profile}", flush=True)
     for batch in [int(b) for b in args.hf_batch.split(",")] if args.hf_batch else []:
         seconds[f"transformers float32, batch {batch}"] = run_hf(model_path, work, batch)
-    first = seconds["config"]
+    first = output_tokens / seconds["config"]
     print(f"{'row':40s} {'seconds':>8s} {'output tok/s':>13s} {'total tok/s':>12s} {'speed':>10s}")
     for name, sec in seconds.items():
-        total = (prompt_tokens + output_tokens) / sec
-        print(f"{name:40s} {sec:8.1f} {output_tokens / sec:13.1f} {total:12.1f} {first / sec:9.2f}x")
+        out = produced.get(name, output_tokens)
+        total = (prompt_tokens + out) / sec
+        print(f"{name:40s} {sec:8.1f} {out / sec:13.1f} {total:12.1f} {out / sec / first:9.2f}x")
     footer(args)
     return 0

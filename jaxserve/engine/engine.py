@@ -9,6 +9,8 @@ nothing waits for it; each ``step`` returns the requests that got a token from N
 Outputs are the serial loop's: the same rows see the same inputs. The price: a request
 that N-1's token stops (a stop token or string) has one wasted row in step N. A
 penalised row's token history gets N-1's token on the device too (``feed_history``).
+A structured-output request is the exception: its next token's bitmask is computed on
+the host from every token so far, so a step with one in flight waits for it first.
 
 One thread owns this object (and the device); requests come and go between steps. The
 owner is explicit: ``claim`` / ``owned_by_current_thread`` bind one thread, and while one
@@ -28,9 +30,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from jaxserve.engine.output import OutputStage
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Pending, Sampled, Scheduler, SchedulerOutput
+from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.errors import JaxServeError, RequestError
 from jaxserve.runner import compile_counter
 from jaxserve.runner.batch import ScheduledSeq
@@ -64,6 +69,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.output = OutputStage(tokenizer, scheduler)
+        self.grammars = GrammarCompiler(tokenizer, getattr(runner, "vocab_size", None), self.eos_token_ids)
         self._ids = itertools.count()
         self.counters = {"steps": 0, "prefill_tokens_computed": 0, "decode_tokens": 0, "recoveries": 0}
         # Cumulative seconds per phase of step(): scheduling (+ building the step's inputs
@@ -138,10 +144,13 @@ class Engine:
                 "(the scoring step is not replayed on the other processes)"
             )
         self.check_pin(pin_s)
+        grammar = self.check_constraint(params)
         request_id = request_id or f"req-{next(self._ids)}"
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, list(prompt_token_ids), params, seed, frozenset(stop), client=client, pin_s=pin_s)
+        if grammar is not None:
+            request.constraint = self.grammars.constraint(grammar)
         self.requests[request_id] = request
         self.output.add(request)
         self.scheduler.add(request)
@@ -164,6 +173,20 @@ class Engine:
             raise RequestError(f"pin_s = {pin_s!r}: must be a number of seconds in (0, {MAX_PIN_S:g}]")
         if not self.scheduler.kv.prefix_caching:
             raise RequestError("pin_s: pinning needs the prefix cache (enable_prefix_caching: true)")
+
+    def check_constraint(self, params: SamplingParams) -> str | None:
+        """Validates a request's structured-output constraint (json_schema, regex...) and
+        returns its grammar (None: unconstrained); raises RequestError naming the field and
+        what is wrong. Any thread may call it: front ends do, on their workers, before
+        queuing; grammars checked once are remembered."""
+        if not params.is_constrained:
+            return None
+        if getattr(self.runner, "channel", None) is not None:
+            raise RequestError(
+                "sampling_params: structured output is not available on a multi-host deployment "
+                "(the token masks are not replayed on the other processes)"
+            )
+        return self.grammars.check(params)
 
     def unpin(self, lease_id: str, client: str | None = None) -> bool:
         """Ends a lease (``add_request(pin_s=...)``); False if it has ended or expired
@@ -193,8 +216,13 @@ class Engine:
         params = request.params
         blocked = tuple(sorted(request.stop_token_ids)) if request.num_sampled < params.min_tokens else ()
         if params.has_penalties:  # the request's own list: the runner copies it into the step's input
-            return SeqSampling(params, request.seed, request.token_ids, request.num_prompt_tokens, blocked)
-        return SeqSampling(params, request.seed, blocked_ids=blocked)
+            x = SeqSampling(params, request.seed, request.token_ids, request.num_prompt_tokens, blocked)
+        else:
+            x = SeqSampling(params, request.seed, blocked_ids=blocked)
+        if request.constraint is not None:  # its state has every token so far (step never overlaps it)
+            x.allowed = np.empty(request.constraint.words, np.int32)
+            request.constraint.fill(x.allowed)
+        return x
 
     def step(self) -> tuple[list[Request], list[Request]]:
         """Runs one step; returns (requests that got a token or ended, requests that
@@ -204,6 +232,11 @@ class Engine:
         t0 = time.perf_counter()
         prev, self._in_flight = self._in_flight, None  # a failure below drops it with the step
         got, ended = [], []
+        if prev is not None and any(p.request.constraint is not None for p in prev.pending):
+            # A constrained row's next bitmask needs the token in flight: apply it first
+            # (steps with structured output are not overlapped).
+            got += self._apply(prev)
+            prev = None
         out = self.scheduler.schedule()
         if out.is_empty and prev is None:
             return self._advanced(got, ended)

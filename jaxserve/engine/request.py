@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 from jaxserve.sampling_params import SamplingParams
 
@@ -71,6 +72,9 @@ class Request:
     # come from the cache) until the step scoring it ran.
     prompt_logprobs: list[float | None] = dataclasses.field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]] | None] = dataclasses.field(default_factory=list)
+    # Structured output: the grammar state (engine/structured.py's Constraint), advanced
+    # by every sampled token; None when unconstrained.
+    constraint: Any = None
     num_prompt_tokens: int = dataclasses.field(init=False)  # len(token_ids) as given
 
     def __post_init__(self):

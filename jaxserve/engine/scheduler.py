@@ -327,8 +327,8 @@ class Scheduler:
             request.token_ids.append(token)
             status = self._stop_status(request, token)
             if status is not None:
-                if status is RequestStatus.FINISHED_STOPPED:
-                    request.stop_reason = token
+                if status is RequestStatus.FINISHED_STOPPED and token in request.stop_token_ids:
+                    request.stop_reason = token  # (a completed grammar's last token is output, no reason)
                 self._end(request, status)
             got.append(Sampled(request, p.row, token, status is not None))
         return got
@@ -339,6 +339,10 @@ class Scheduler:
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         if token in request.stop_token_ids and request.num_output_tokens > request.params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
+        if request.constraint is not None:
+            request.constraint.advance(token)
+            if request.constraint.done:  # the grammar is complete: nothing more may follow
+                return RequestStatus.FINISHED_STOPPED
         if self._ends_by_length(request):
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -77,7 +77,8 @@ Gen.__add__, Gen.__radd__ = _concat, _rconcat
 
 def gen(name: str, max_tokens: int = 128, **sampling: Any) -> Gen:
     """A completion stored as ``s[name]``; ``sampling``: any ``SamplingParams`` field
-    (``stop``, ``temperature``, ``top_p``, ``seed``, ``ignore_eos``, ...)."""
+    (``stop``, ``temperature``, ``top_p``, ``seed``, ``ignore_eos``, ..., and structured
+    output: ``regex``, ``choice``, ``json_schema``, ``json_object``, ``grammar``)."""
     if not isinstance(name, str) or not name:
         raise ProgramError(f"gen name = {name!r}: must be a non-empty string")
     try:

@@ -89,6 +89,7 @@ class SeqSampling:
     num_prompt_tokens: int = 0
     blocked_ids: tuple[int, ...] = ()  # stop ids masked while under min_tokens
     history_feed: int = -1  # >= 0: the history's newest token is this row of the step before (on the device)
+    allowed: np.ndarray | None = None  # structured output: the next token's bitmask, int32 [ceil(V / 32)]
 
 
 def greedy(n: int, penalties: bool = False) -> list[SeqSampling]:
@@ -105,6 +106,18 @@ def _per_seq(sampling: list[SeqSampling], s_pad: int, defaults: dict[str, float]
         for name, arr in arrays.items():
             arr[i] = getattr(x.params, name)
     return arrays
+
+
+def allowed_tokens(sampling: list[SeqSampling], s_pad: int) -> np.ndarray | None:
+    """The step's token bitmask [s_pad, words] (unconstrained rows: all allowed), or None
+    when no row is constrained."""
+    rows = [(i, x.allowed) for i, x in enumerate(sampling) if x.allowed is not None]
+    if not rows:
+        return None
+    allowed = np.full((s_pad, len(rows[0][1])), -1, np.int32)
+    for i, row in rows:
+        allowed[i] = row
+    return allowed
 
 
 def sampling_metadata(
@@ -148,8 +161,9 @@ def bucket_seqs(cfg: RunnerConfig, t: int, s: int) -> list[ScheduledSeq]:
     return [ScheduledSeq([0] * n, 0, [0] * cfg.pages_per_seq) for n in sizes]
 
 
-# (attention metadata, feed rows [T], sampler metadata, penalty metadata or None), numpy
-StepInputs = tuple[AttentionMetadata, np.ndarray, SamplingMetadata, PenaltyMetadata | None]
+# (attention metadata, feed rows [T], sampler metadata, penalty metadata or None, token
+# bitmask or None), numpy
+StepInputs = tuple[AttentionMetadata, np.ndarray, SamplingMetadata, PenaltyMetadata | None, np.ndarray | None]
 
 
 def step_inputs(
@@ -159,7 +173,7 @@ def step_inputs(
     tokens, seq_buckets = cfg.buckets
     b = pack(seqs, cfg.page_size, cfg.pages_per_seq, tokens, seq_buckets)
     smd, pmd = sampling_metadata(sampling, len(b.md.kv_lens), b.md.kv_lens.copy(), cfg.max_model_len)
-    return b, (b.md, b.feed_rows, smd, pmd)
+    return b, (b.md, b.feed_rows, smd, pmd, allowed_tokens(sampling, len(b.md.kv_lens)))
 
 
 def make_forward(graphdef, backend: AttentionBackend):
@@ -205,14 +219,14 @@ def make_scored_forward(graphdef, backend: AttentionBackend):
 
 
 def make_sample(max_num_seqs: int, mesh=None):
-    """``sample(logits, smd, pmd, feed_tokens)``: penalised rows' histories completed from
+    """``sample(logits, smd, pmd, feed_tokens[, allowed])``: penalised rows' histories completed from
     the step before (``feed_history``), then ``sample``, plus its tokens padded to
     ``max_num_seqs`` rows: the next step's ``feed_tokens``, kept on the device."""
 
-    def sample_step(logits, smd: SamplingMetadata, pmd: PenaltyMetadata | None, feed_tokens):
+    def sample_step(logits, smd: SamplingMetadata, pmd: PenaltyMetadata | None, feed_tokens, allowed=None):
         if pmd is not None:
             pmd = feed_history(pmd, smd.positions, feed_tokens)
-        out = sample(logits, smd, pmd)
+        out = sample(logits, smd, pmd, allowed)
         feed = jnp.zeros(max_num_seqs, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
         if mesh is not None:
             feed = jax.lax.with_sharding_constraint(feed, replicated(mesh))
@@ -230,6 +244,7 @@ class ModelRunner:
         compile_counter.install()
         self.cfg = cfg
         mcfg = model.cfg
+        self.vocab_size = mcfg.vocab_size
         self.graphdef, self.state = nnx.split(model)
         # The activation dtype (weights may be narrower), unless kv_cache_dtype says otherwise.
         dtype = cfg.attention_backend.kv_storage_dtype(cfg.kv_cache_dtype or model.norm[...].dtype)
@@ -293,6 +308,8 @@ class ModelRunner:
             for i, t in enumerate(targets):
                 rows[b.md.query_start_loc[i] : b.md.query_start_loc[i] + len(t)] = t
         if self.channel is not None:  # every process runs the same step (multihost.py)
+            if inputs[4] is not None:
+                raise RuntimeError("structured output is not replayed on other processes (multi-host)")
             self.channel.announce(STEP, b.md.num_tokens, len(b.md.kv_lens), inputs[3] is not None)
             inputs = self.channel.share(inputs)
         self.input_bytes += sum(x.nbytes for x in jax.tree.leaves((inputs, rows)))
@@ -347,7 +364,7 @@ class ModelRunner:
         self.kv_cache = self._new_kv_cache()
         self._feed_tokens = self._no_feed  # the failed step's samples may never come
 
-    def _step(self, md, feed_rows, smd, pmd, targets=None) -> tuple[SamplerOutput, tuple | None]:
+    def _step(self, md, feed_rows, smd, pmd, allowed=None, targets=None) -> tuple[SamplerOutput, tuple | None]:
         """One step on the device: (the sampler's output, and with ``targets`` the rows'
         scores from the scoring forward, else None)."""
         feed = self._feed_tokens
@@ -358,7 +375,8 @@ class ModelRunner:
             self.kv_cache, logits, scored = self._scored_forward(
                 self.state, self.kv_cache, md, feed_rows, feed, targets
             )
-        out, self._feed_tokens = self._sample(logits, smd, pmd, feed)  # pmd None: the variant without penalties
+        # pmd None: the variant without penalties; allowed None: without structured output
+        out, self._feed_tokens = self._sample(logits, smd, pmd, feed, allowed)
         return out, scored
 
     def follow(self) -> None:
@@ -401,27 +419,30 @@ class ModelRunner:
 
     def compile_ahead(self, progress: bool = True) -> None:
         """Compiles (or loads from the compile cache) the model for every (token bucket,
-        sequence bucket) pair, both samplers for every sequence bucket and the page copy,
+        sequence bucket) pair, the sampler's four variants (penalties, structured output, with
+        or without each) for every sequence bucket and the page copy,
         without running them: the jitted calls then find them (no compile after warm-up).
         Local to this process: multi-host followers call it too, before ``follow``."""
         pairs = self.cfg.bucket_pairs
         seq_buckets = sorted({s for _, s in pairs})
-        jobs = len(pairs) + 2 * len(seq_buckets) + 1
+        jobs = len(pairs) + 4 * len(seq_buckets) + 1
         bar = tqdm(total=jobs, desc="compiling step buckets", disable=not progress, leave=False)
         logits = {}  # sequence bucket -> logits placed as the sampler receives them
         for t, s in pairs:
-            _, (md, feed_rows, _, _) = step_inputs(self.cfg, bucket_seqs(self.cfg, t, s), greedy(s))
+            _, (md, feed_rows, *_) = step_inputs(self.cfg, bucket_seqs(self.cfg, t, s), greedy(s))
             out = self._forward.lower(self.state, self.kv_cache, md, feed_rows, self._no_feed).compile().out_info[1]
             # An array placed as the model's output will be: jit keys a call by its arguments'
             # placement, committed to devices (under a mesh) or not (one device).
             zeros = np.zeros(out.shape, out.dtype)
             logits[s] = jax.device_put(zeros, out.sharding if self.kv_cache.committed else None)
             bar.update()
+        words = (logits[seq_buckets[0]].shape[1] + 31) // 32 if seq_buckets else 0
         for s in seq_buckets:
             for penalties in (False, True):
-                _, (_, _, smd, pmd) = step_inputs(self.cfg, bucket_seqs(self.cfg, s, s), greedy(s, penalties))
-                self._sample.lower(logits[s], smd, pmd, self._no_feed).compile()
-                bar.update()
+                _, (_, _, smd, pmd, _) = step_inputs(self.cfg, bucket_seqs(self.cfg, s, s), greedy(s, penalties))
+                for allowed in (None, np.full((s, words), -1, np.int32)):  # with structured output or not
+                    self._sample.lower(logits[s], smd, pmd, self._no_feed, allowed).compile()
+                    bar.update()
         pages = np.zeros(self.cfg.max_num_seqs, np.int32)
         self._copy_pages.lower(self.kv_cache, pages, pages).compile()
         bar.update()

@@ -11,7 +11,9 @@ without logprobs is a plain argmax: no softmax over the vocabulary.
 Penalties need each sequence's token history, ``[S, max_model_len]``: megabytes per step
 on an accelerator. Only steps with a penalised request send it: ``sample`` called with
 ``penalties`` is a second compiled variant (per sequence bucket, compiled at warm-up),
-and the other steps neither ship the history nor trace the penalty scatter.
+and the other steps neither ship the history nor trace the penalty scatter. Structured
+output's token bitmask (``allowed``, from the host's grammar matchers) is the same kind of
+optional input: steps without a constrained request neither send nor apply one.
 """
 
 from __future__ import annotations
@@ -183,11 +185,26 @@ def _sample_rows(logits, md: SamplingMetadata) -> jax.Array:
     return jnp.where(md.temperature > 0, sampled, argmax(logits)).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, md: SamplingMetadata, penalties: PenaltyMetadata | None = None) -> SamplerOutput:
+def allow(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """-inf where a row's bitmask ``allowed`` [S, ceil(V / 32)] int32 has a 0 (bit j of
+    word w is token 32 w + j; an unconstrained row is all ones)."""
+    s, vocab = logits.shape
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1
+    return jnp.where(bits.reshape(s, -1)[:, :vocab] == 1, logits, -jnp.inf)
+
+
+def sample(
+    logits: jax.Array,
+    md: SamplingMetadata,
+    penalties: PenaltyMetadata | None = None,
+    allowed: jax.Array | None = None,
+) -> SamplerOutput:
     raw = logits
     if penalties is not None:  # a separate compiled variant (see the module doc)
         logits = penalize(logits, penalties)
     logits = jax.lax.cond(jnp.any(md.blocked_ids >= 0), block, lambda x, _: x, logits, md.blocked_ids)
+    if allowed is not None:  # structured output: a variant of its own, like penalties
+        logits = allow(logits, allowed)
 
     def random(x):
         return _sample_rows(x, md)

@@ -87,6 +87,7 @@ class StreamOptions(_Body):
 
 class ResponseFormat(_Body):
     type: str = "text"
+    json_schema: Any = None  # {"name": ..., "schema": {...}, "strict": ...}
 
 
 class _Sampling(_Body):
@@ -114,7 +115,7 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Structured output (vLLM's names): not served yet, refused by name rather than ignored.
+    # Structured output by vLLM's names (OpenAI's is response_format).
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -293,21 +294,65 @@ class OpenAIServer:
             out.append({"role": role, "content": content})
         return out
 
+    @staticmethod
+    def _structured(body: _Sampling) -> tuple[str, dict]:
+        """(the request's field, SamplingParams keyword) of its structured-output constraint:
+        OpenAI's response_format, or vLLM's guided_* / structured_outputs."""
+        found = []
+        rf = body.response_format
+        if rf is not None and rf.type != "text":
+            if rf.type == "json_object":
+                found.append(("response_format", {"json_object": True}))
+            elif rf.type == "json_schema":
+                spec = rf.json_schema
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict | bool):
+                    raise APIError(
+                        400,
+                        "response_format.json_schema.schema: a JSON schema (an object) is required",
+                        param="response_format.json_schema.schema",
+                    )
+                found.append(("response_format", {"json_schema": json.dumps(spec["schema"])}))
+            else:
+                raise APIError(
+                    400,
+                    f"response_format.type = {rf.type!r}: must be one of text, json_object, json_schema",
+                    param="response_format.type",
+                )
+        so = body.structured_outputs if isinstance(body.structured_outputs, dict) else {}
+        if body.structured_outputs is not None and not isinstance(body.structured_outputs, dict):
+            raise APIError(400, "structured_outputs: must be an object", param="structured_outputs")
+        for field, value, key in (
+            ("guided_json", body.guided_json, "json_schema"),
+            ("guided_regex", body.guided_regex, "regex"),
+            ("guided_choice", body.guided_choice, "choice"),
+            ("guided_grammar", body.guided_grammar, "grammar"),
+            ("structured_outputs.json", so.get("json"), "json_schema"),
+            ("structured_outputs.regex", so.get("regex"), "regex"),
+            ("structured_outputs.choice", so.get("choice"), "choice"),
+            ("structured_outputs.grammar", so.get("grammar"), "grammar"),
+        ):
+            if value is None:
+                continue
+            if key == "json_schema" and not isinstance(value, str):
+                value = json.dumps(value)
+            elif key == "choice":
+                if not isinstance(value, list):
+                    raise APIError(400, f"{field}: must be a list of strings", param=field)
+                value = tuple(value)
+            found.append((field, {key: value}))
+        if len(found) > 1:
+            raise APIError(
+                400,
+                f"{found[1][0]}: only one structured-output constraint, {found[0][0]} is set too",
+                param=found[1][0],
+            )
+        return found[0] if found else ("", {})
+
     def _sampling_kwargs(self, body: _Sampling) -> dict:
         """SamplingParams keyword arguments of the shared fields; refuses by name what is
         not served."""
         if body.logit_bias:
             raise APIError(400, "logit_bias: not supported by this server", param="logit_bias")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise APIError(
-                400,
-                f"response_format.type = {body.response_format.type!r}: structured output is not served yet; "
-                f"only 'text'",
-                param="response_format",
-            )
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
-            if getattr(body, name) is not None:
-                raise APIError(400, f"{name}: structured output is not served yet", param=name)
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, f"best_of = {body.best_of}: only best_of == n is served", param="best_of")
         if body.stream_options is not None and not body.stream:
@@ -330,13 +375,20 @@ class OpenAIServer:
             kwargs["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
         if body.stop_token_ids:
             kwargs["stop_token_ids"] = tuple(body.stop_token_ids)
-        return kwargs
+        field, constraint = self._structured(body)
+        kwargs.update(constraint)
+        # Errors about the constraint name the field the client used.
+        renames = {f"{key}": field for key in constraint if field != key}
+        return kwargs, renames
 
     def _params(self, kwargs: dict, prompt_len: int, default_max_tokens: int, renames=None) -> SamplingParams:
+        """Within the server's limits, its constraint (if any) compiled: on the worker."""
         try:
-            return checked_params(
+            params = checked_params(
                 kwargs, prompt_len, self.handle.max_model_len, self.limits.max_tokens_limit, default_max_tokens
             )
+            self.handle.engine.check_constraint(params)
+            return params
         except RequestError as e:
             raise _bad_request(e, renames) from None
 
@@ -355,7 +407,7 @@ class OpenAIServer:
             prompts = list(prompt)
         if not prompts:
             raise APIError(400, "prompt: at least one prompt is required", param="prompt")
-        kwargs = self._sampling_kwargs(body)
+        kwargs, renames = self._sampling_kwargs(body)
         if body.logprobs is not None:
             kwargs["logprobs"] = body.logprobs
         if body.prompt_logprobs is not None:
@@ -367,7 +419,7 @@ class OpenAIServer:
             field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             ids = self._encode(p, field)
             echo = (p if isinstance(p, str) else self.handle.tokenizer.decode(ids)) if body.echo else ""
-            out.append((ids, self._params(kwargs, len(ids), COMPLETION_DEFAULT_MAX_TOKENS), echo))
+            out.append((ids, self._params(kwargs, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, renames), echo))
         return out
 
     def _prepare_chat(self, body: ChatRequest) -> tuple[list[int], SamplingParams]:
@@ -386,13 +438,12 @@ class OpenAIServer:
                     400, f"messages: the model's chat template refuses them: {str(e)[:300]}", param="messages"
                 ) from None
             ids = self._encode(self.handle.tokenizer.encode(text, add_special_tokens=False), "messages")
-        kwargs = self._sampling_kwargs(body)
+        kwargs, renames = self._sampling_kwargs(body)
         if body.logprobs:
             kwargs["logprobs"] = body.top_logprobs or 0
-        renames = {}
         if body.max_completion_tokens is not None:
             kwargs["max_tokens"] = body.max_completion_tokens
-            renames = {"max_tokens": "max_completion_tokens"}
+            renames["max_tokens"] = "max_completion_tokens"
         elif body.max_tokens is not None:
             kwargs["max_tokens"] = body.max_tokens
         return ids, self._params(kwargs, len(ids), 1024, renames)
@@ -505,8 +556,8 @@ class OpenAIServer:
     # -- endpoints --------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request):
+        client = self._client(request)  # unauthenticated callers learn nothing else
         self._check_ready()
-        client = self._client(request)
         self._check_model(body.model)
         prepared = await self._prepared(self._prepare_completion, body)
         request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
@@ -573,8 +624,8 @@ class OpenAIServer:
         return await self._unless_disconnected(request, collect())
 
     async def chat(self, body: ChatRequest, request: Request):
+        client = self._client(request)  # unauthenticated callers learn nothing else
         self._check_ready()
-        client = self._client(request)
         self._check_model(body.model)
         ids, params = await self._prepared(self._prepare_chat, body)
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"

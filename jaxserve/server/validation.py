@@ -130,4 +130,6 @@ def validate(
             f"prompt: {len(ids)} tokens; this server allows at most {limits.max_prompt_tokens} "
             f"(server.max_prompt_tokens)"
         )
-    return ids, sampling_params(msg.sampling_params, len(ids), handle.max_model_len, limits.max_tokens_limit)
+    params = sampling_params(msg.sampling_params, len(ids), handle.max_model_len, limits.max_tokens_limit)
+    handle.engine.check_constraint(params)  # a schema or regex that cannot compile: here, not mid-step
+    return ids, params

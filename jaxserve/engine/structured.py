@@ -1,0 +1,136 @@
+"""Structured output: JSON schema, any JSON object, regex, a list of choices, or a Lark
+grammar, enforced token by token with llguidance.
+
+Why llguidance (over xgrammar and outlines-core): it needs no torch (the server never
+imports it), computes a token mask in tens of microseconds with no per-grammar
+precompilation over the vocabulary (a new JSON schema costs nothing up front, which a
+server taking arbitrary schemas needs), speaks JSON schema, regex and Lark, and is what
+vLLM's and llama.cpp's guidance backends use.
+
+The host keeps one matcher per constrained request (``Constraint``): before a step, the
+allowed-token bitmask of each constrained row (``fill``); after it, the sampled token
+advances the matcher (``advance``), and a grammar that has accepted with nothing allowed
+after ends the request. The bitmask goes to the jitted sampler as a fixed-shape input of
+its own compiled variant, so steps without a constrained request run exactly as before.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+
+from jaxserve.errors import RequestError
+from jaxserve.sampling_params import SamplingParams
+
+_ANY_OBJECT = '{"type": "object"}'
+# JSON as people write it on one line ('{"a": 1, "b": [2, 3]}'), and no other whitespace:
+# with free whitespace a model can pad a document with newlines until max_tokens (a known
+# failure of flexible JSON grammars). A schema's own "x-guidance" options override this.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one row's bitmask: bit j of word w allows token 32 w + j."""
+    return (vocab_size + 31) // 32
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)  # a JSON string literal is a Lark string literal
+
+
+class GrammarCompiler:
+    """Grammars for one tokenizer and vocabulary. Thread-safe: front ends validate on their
+    worker threads, the engine thread makes matchers."""
+
+    def __init__(self, tokenizer, vocab_size: int | None, eos_token_ids: set[int]):
+        """``vocab_size``: the model's (its logits' width; None: the tokenizer's)."""
+        self._hf = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._tokenizer = None  # llguidance's view of it, built on first use (~0.3 s)
+        self._lock = threading.Lock()
+        self._checked: dict[str, str] = {}  # grammar -> "" (valid) or the error, most recent first
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size if self._vocab_size is not None else len(self._hf)
+
+    def _llg_tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+
+                eos = self._eos or None
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=eos)
+            return self._tokenizer
+
+    @staticmethod
+    def grammar_of(params: SamplingParams) -> tuple[str, str] | None:
+        """(the field that constrains, llguidance's grammar), or None."""
+        from llguidance import LLMatcher
+
+        if params.json_schema is not None:
+            try:
+                return "json_schema", LLMatcher.grammar_from_json_schema(params.json_schema, defaults=_JSON_STYLE)
+            except ValueError as e:
+                raise RequestError(f"sampling_params.json_schema: not a JSON schema: {str(e)[:300]}") from None
+        if params.json_object:
+            return "json_object", LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=_JSON_STYLE)
+        if params.regex is not None:
+            return "regex", LLMatcher.grammar_from_regex(params.regex)
+        if params.choice:
+            return "choice", LLMatcher.grammar_from_lark("start: " + " | ".join(map(_lark_string, params.choice)))
+        if params.grammar is not None:
+            return "grammar", LLMatcher.grammar_from_lark(params.grammar)
+        return None
+
+    def check(self, params: SamplingParams) -> str | None:
+        """The request's grammar, validated (None: unconstrained). Raises RequestError
+        naming the field and what is wrong, before any compute."""
+        found = self.grammar_of(params)
+        if found is None:
+            return None
+        field, grammar = found
+        error = self._checked.get(grammar)
+        if error is None:
+            from llguidance import LLMatcher
+
+            error = LLMatcher.validate_grammar(grammar, self._llg_tokenizer())
+            with self._lock:
+                if len(self._checked) >= 1024:
+                    self._checked.pop(next(iter(self._checked)))
+                self._checked[grammar] = error
+        if error and not error.startswith("WARNING"):
+            raise RequestError(f"sampling_params.{field}: {error[:500]}")
+        return grammar
+
+    def constraint(self, grammar: str) -> Constraint:
+        from llguidance import LLMatcher
+
+        return Constraint(LLMatcher(self._llg_tokenizer(), grammar, log_level=0), bitmask_words(self.vocab_size))
+
+
+class Constraint:
+    """One request's grammar state: what may come next, advanced by each sampled token."""
+
+    def __init__(self, matcher, words: int):
+        self._matcher = matcher
+        self.words = words
+
+    def fill(self, row: np.ndarray) -> None:
+        """The allowed-token bitmask for the next token into ``row`` (int32 [words])."""
+        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def advance(self, token: int) -> None:
+        self._matcher.consume_token(token)
+
+    @property
+    def done(self) -> bool:
+        """Accepted, and nothing but the end may follow (or the grammar failed)."""
+        return self._matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self._matcher.get_error() if self._matcher.is_error() else ""
