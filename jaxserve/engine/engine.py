@@ -30,8 +30,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
 from jaxserve.engine.output import OutputStage
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Pending, Sampled, Scheduler, SchedulerOutput
@@ -219,9 +217,6 @@ class Engine:
             x = SeqSampling(params, request.seed, request.token_ids, request.num_prompt_tokens, blocked)
         else:
             x = SeqSampling(params, request.seed, blocked_ids=blocked)
-        if request.constraint is not None:  # its state has every token so far (step never overlaps it)
-            x.allowed = np.empty(request.constraint.words, np.int32)
-            request.constraint.fill(x.allowed)
         return x
 
     def step(self) -> tuple[list[Request], list[Request]]:
@@ -289,6 +284,18 @@ class Engine:
             else:
                 seqs.append(ScheduledSeq(request.token_ids[start : start + n], start, request.pages))
             sampling.append(x)
+        # Structured output: the bitmask of each constrained row that samples this step (a
+        # prefill chunk with prompt left does not); its grammar has every token so far, as
+        # a step with one in flight is not overlapped (see step).
+        constrained = [
+            (x, request.constraint)
+            for x, (request, n) in zip(sampling, out.scheduled, strict=True)
+            if request.constraint is not None and request.num_computed_tokens + n >= request.num_tokens
+        ]
+        if constrained:
+            masks = self.grammars.fill([c for _, c in constrained])
+            for (x, _), mask in zip(constrained, masks, strict=True):
+                x.allowed = mask
         if out.page_copies:
             self.runner.copy_pages(out.page_copies)
         if any(r.scores_prompt for r, _ in out.scheduled):

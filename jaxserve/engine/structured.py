@@ -111,6 +111,15 @@ class GrammarCompiler:
 
         return Constraint(LLMatcher(self._llg_tokenizer(), grammar, log_level=0), bitmask_words(self.vocab_size))
 
+    def fill(self, constraints: list[Constraint]) -> np.ndarray:
+        """Each constraint's next-token bitmask, a row each (int32 [n, words]). One after
+        another: ~2-5 us a mask for a simple regex over SmolLM2's 49k tokens, where
+        llguidance's thread pool (LLExecutor) cost ~0.4 ms a step in hand-offs."""
+        masks = np.empty((len(constraints), bitmask_words(self.vocab_size)), np.int32)
+        for c, row in zip(constraints, masks, strict=True):
+            c.fill(row)
+        return masks
+
 
 class Constraint:
     """One request's grammar state: what may come next, advanced by each sampled token."""
