@@ -12,6 +12,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_N = 64  # samples of one prompt
 MAX_GRAMMAR_CHARS = 100_000  # a JSON schema, regex or Lark grammar
+MAX_LOGIT_BIAS = 300  # biased token ids per request (OpenAI's limit)
 MAX_CHOICES = 256
 # Below this a temperature divides logits past float32's range; 0 asks for greedy plainly.
 MIN_TEMPERATURE = 0.01
@@ -51,6 +52,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Added to the logits of these token ids before sampling, (token id, bias) pairs in
+    # [-100, 100] (a dict is taken too); -100 all but bans a token, 100 all but forces it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # also return the top-n logprobs at each position (n <= 20)
     # Also return each prompt token's logprob given the tokens before it, and the top-n
     # there (n <= 20; 0: the token's own only). The prompt is then computed whole (no
@@ -77,6 +81,16 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = bias.items()
+        try:
+            bias = tuple(sorted((t, b) for t, b in bias))
+        except (TypeError, ValueError):
+            raise RequestError(
+                f"sampling_params.logit_bias = {_shown(self.logit_bias)}: must be (token id, bias) pairs"
+            ) from None
+        object.__setattr__(self, "logit_bias", bias)
         if isinstance(self.choice, str):
             object.__setattr__(self, "choice", (self.choice,))
         object.__setattr__(self, "choice", tuple(self.choice))
@@ -172,6 +186,18 @@ class SamplingParams:
         checks.append(("json_object", isinstance(self.json_object, bool), "true or false"))
         checks.append(
             (
+                "logit_bias",
+                len(self.logit_bias) <= MAX_LOGIT_BIAS
+                and all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _number(b) and -100 <= b <= 100
+                    for t, b in self.logit_bias
+                )
+                and len({t for t, _ in self.logit_bias}) == len(self.logit_bias),
+                f"at most {MAX_LOGIT_BIAS} distinct token ids, each with a bias in [-100, 100]",
+            )
+        )
+        checks.append(
+            (
                 "choice",
                 len(self.choice) <= MAX_CHOICES
                 and all(isinstance(c, str) and 0 < len(c) <= MAX_STOP_STRING_LEN for c in self.choice),
@@ -203,4 +229,10 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+        """Penalties or a logit bias: the sampler's variant that takes them."""
+        return (
+            self.repetition_penalty != 1
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or bool(self.logit_bias)
+        )

@@ -46,6 +46,7 @@ sampling = st.builds(
     frequency_penalty=st.sampled_from([0.0, 0.0, -0.3]),
     logprobs=st.sampled_from([None, None, 0, 5]),
     regex=st.sampled_from([None, None, None, "[a-z ]{1,30}"]),  # structured output: its sampler variant
+    logit_bias=st.sampled_from([(), (), ((5, 2.0), (9, -100.0))]),
 )
 requests = st.lists(
     st.tuples(

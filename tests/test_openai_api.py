@@ -185,6 +185,32 @@ def test_logprobs_match_grpc(api):
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == completion.choices[0].text
 
 
+def test_logit_bias_forces_and_bans_tokens_on_every_transport(api):
+    llm, server, addr, base, client, _ = api
+    forced = client.completions.create(
+        model="tiny",
+        prompt="Deep learning",
+        max_tokens=5,
+        logit_bias={"42": 100},
+        logprobs=0,
+        extra_body=NO_EOS,
+        **GREEDY,
+    )
+    tokens = forced.choices[0].logprobs.tokens
+    assert tokens == [llm.handle.tokenizer.decode([42])] * 5
+    plain = llm.generate(["Deep learning"], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
+    banned = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logit_bias={plain: -100.0})
+    offline = llm.generate(["Deep learning"], banned)[0]
+    assert offline.token_ids[0] != plain
+    with Client(addr) as c:
+        over_grpc = c.generate("Deep learning", max_tokens=3, ignore_eos=True, logit_bias={plain: -100.0}, **GREEDY)
+    over_http = client.completions.create(
+        model="tiny", prompt="Deep learning", max_tokens=3, logit_bias={str(plain): -100}, extra_body=NO_EOS, **GREEDY
+    )
+    assert list(over_grpc.token_ids) == offline.token_ids
+    assert over_http.choices[0].text == offline.text
+
+
 def test_cached_tokens_in_usage(api):
     llm, server, addr, base, client, _ = api
     prompt = rng_tokens(120, 300, seed=41)
@@ -217,7 +243,9 @@ BAD = [
         "guided_choice",
         "only one structured-output constraint",
     ),
-    (dict(logit_bias={"5": 1.0}), "logit_bias", "logit_bias: not supported"),
+    (dict(logit_bias={"5000": 1.0}), "logit_bias", "logit_bias: token id 5000 is out of range; allowed 0..319"),
+    (dict(logit_bias={"x": 1.0}), "logit_bias", "logit_bias: keys must be token ids"),
+    (dict(logit_bias={"5": 300.0}), "logit_bias", r"logit_bias = .*bias in \[-100, 100\]"),
     (dict(suffix="end"), "suffix", "suffix: not supported"),
 ]
 

@@ -185,7 +185,8 @@ def test_penalties_match_a_numpy_reference():
     )
     blocked = np.full((s, MAX_BLOCKED), -1, np.int32)
     blocked[2, :2] = [7, 8]
-    pmd = PenaltyMetadata(rep, pres, freq, hist, num_prompt, np.full(s, -1, np.int32))
+    no_bias = np.full((s, 300), -1, np.int32), np.zeros((s, 300), np.float32)
+    pmd = PenaltyMetadata(rep, pres, freq, hist, num_prompt, np.full(s, -1, np.int32), *no_bias)
     got = np.asarray(block(penalize(logits, pmd), blocked))
     want = logits.copy()
     for i in range(s):

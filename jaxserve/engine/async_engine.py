@@ -222,7 +222,7 @@ class EngineThread:
         pin_s: float | None = None,
     ) -> None:
         self.engine.check_pin(pin_s)  # on the caller's thread, before anything is queued
-        self.engine.check_constraint(params)  # (remembered: the front ends' validation made it)
+        self.engine.check_params(params)  # (remembered: the front ends' validation made it)
         with self._lock:
             if self._closed:
                 raise EngineStoppedError("the engine thread has stopped; it takes no more requests")

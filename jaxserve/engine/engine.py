@@ -142,7 +142,7 @@ class Engine:
                 "(the scoring step is not replayed on the other processes)"
             )
         self.check_pin(pin_s)
-        grammar = self.check_constraint(params)
+        grammar = self.check_params(params)
         request_id = request_id or f"req-{next(self._ids)}"
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
@@ -172,11 +172,18 @@ class Engine:
         if not self.scheduler.kv.prefix_caching:
             raise RequestError("pin_s: pinning needs the prefix cache (enable_prefix_caching: true)")
 
-    def check_constraint(self, params: SamplingParams) -> str | None:
-        """Validates a request's structured-output constraint (json_schema, regex...) and
-        returns its grammar (None: unconstrained); raises RequestError naming the field and
-        what is wrong. Any thread may call it: front ends do, on their workers, before
-        queuing; grammars checked once are remembered."""
+    def check_params(self, params: SamplingParams) -> str | None:
+        """What SamplingParams cannot check alone: logit_bias ids within the vocabulary and
+        the structured-output constraint (json_schema, regex...), whose grammar it returns
+        (None: unconstrained). Raises RequestError naming the field and what is wrong. Any
+        thread may call it: front ends do, on their workers, before queuing; grammars
+        checked once are remembered."""
+        vocab = self.grammars.vocab_size
+        for token, _ in params.logit_bias:
+            if token >= vocab:
+                raise RequestError(
+                    f"sampling_params.logit_bias: token id {token} is out of range; allowed 0..{vocab - 1}"
+                )
         if not params.is_constrained:
             return None
         if getattr(self.runner, "channel", None) is not None:

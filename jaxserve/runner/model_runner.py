@@ -35,6 +35,7 @@ from jaxserve.runner import compile_counter
 from jaxserve.runner.batch import MIN_TOKEN_BUCKET, PackedBatch, ScheduledSeq, make_buckets, pack, pick_bucket
 from jaxserve.runner.sampler import (
     MAX_BLOCKED,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     PenaltyMetadata,
     SamplerOutput,
@@ -148,9 +149,23 @@ def sampling_metadata(
             history[i, : len(x.history)] = x.history
             num_prompt[i] = x.num_prompt_tokens
             feed[i] = x.history_feed
+    bias_ids = np.full((s_pad, MAX_LOGIT_BIAS), -1, np.int32)
+    bias_values = np.zeros((s_pad, MAX_LOGIT_BIAS), np.float32)
+    for i, x in enumerate(sampling):
+        if x.params.logit_bias:
+            ids, values = zip(*x.params.logit_bias, strict=True)
+            bias_ids[i, : len(ids)] = ids
+            bias_values[i, : len(ids)] = values
     off = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
     per_seq = _per_seq(sampling, s_pad, off)
-    return smd, PenaltyMetadata(**per_seq, token_history=history, num_prompt_tokens=num_prompt, history_feed=feed)
+    return smd, PenaltyMetadata(
+        **per_seq,
+        token_history=history,
+        num_prompt_tokens=num_prompt,
+        history_feed=feed,
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+    )
 
 
 def bucket_seqs(cfg: RunnerConfig, t: int, s: int) -> list[ScheduledSeq]:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 MAX_LOGPROBS = 20  # top-n logprobs computed per sequence (n <= 20)
 MAX_BLOCKED = 32  # stop token ids masked while a request is under min_tokens
+MAX_LOGIT_BIAS = 300  # logit_bias entries per sequence (SamplingParams' limit)
 
 
 @jax.tree_util.register_dataclass
@@ -53,6 +54,8 @@ class PenaltyMetadata:
     # [S] int32: >= 0 when the newest history token (at ``positions - 1``) is still on the
     # device, the previous step's sample of that row (overlap scheduling); see ``feed_history``
     history_feed: jax.Array
+    bias_ids: jax.Array  # [S, MAX_LOGIT_BIAS] int32: logit_bias token ids, -1 padding
+    bias_values: jax.Array  # [S, MAX_LOGIT_BIAS] float32
 
 
 def feed_history(pmd: PenaltyMetadata, positions: jax.Array, feed_tokens: jax.Array) -> PenaltyMetadata:
@@ -80,7 +83,8 @@ def _counts(ids: jax.Array, keep: jax.Array, vocab: int) -> jax.Array:
 
 
 def penalize(logits: jax.Array, pmd: PenaltyMetadata) -> jax.Array:
-    """Repetition (prompt + output), frequency and presence (output) penalties."""
+    """Repetition (prompt + output), frequency and presence (output) penalties, then
+    logit_bias."""
     vocab = logits.shape[1]
     hist = pmd.token_history
     is_output = jnp.arange(hist.shape[1])[None, :] >= pmd.num_prompt_tokens[:, None]
@@ -89,7 +93,12 @@ def penalize(logits: jax.Array, pmd: PenaltyMetadata) -> jax.Array:
     rp = pmd.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
     logits = logits - pmd.frequency_penalty[:, None] * out_counts
-    return logits - pmd.presence_penalty[:, None] * (out_counts > 0)
+    logits = logits - pmd.presence_penalty[:, None] * (out_counts > 0)
+    # logit_bias: padding (-1) lands in a spare column
+    rows = jnp.arange(logits.shape[0])[:, None]
+    ids = jnp.where(pmd.bias_ids >= 0, pmd.bias_ids, vocab)
+    bias = jnp.zeros((logits.shape[0], vocab + 1), logits.dtype).at[rows, ids].add(pmd.bias_values)
+    return logits + bias[:, :vocab]
 
 
 def block(logits: jax.Array, blocked_ids: jax.Array) -> jax.Array:

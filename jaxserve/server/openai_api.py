@@ -351,8 +351,6 @@ class OpenAIServer:
     def _sampling_kwargs(self, body: _Sampling) -> dict:
         """SamplingParams keyword arguments of the shared fields; refuses by name what is
         not served."""
-        if body.logit_bias:
-            raise APIError(400, "logit_bias: not supported by this server", param="logit_bias")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, f"best_of = {body.best_of}: only best_of == n is served", param="best_of")
         if body.stream_options is not None and not body.stream:
@@ -375,6 +373,11 @@ class OpenAIServer:
             kwargs["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
         if body.stop_token_ids:
             kwargs["stop_token_ids"] = tuple(body.stop_token_ids)
+        if body.logit_bias:
+            try:  # OpenAI's keys are token ids as strings
+                kwargs["logit_bias"] = tuple((int(k), v) for k, v in body.logit_bias.items())
+            except ValueError:
+                raise APIError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
         field, constraint = self._structured(body)
         kwargs.update(constraint)
         # Errors about the constraint name the field the client used.
@@ -387,7 +390,7 @@ class OpenAIServer:
             params = checked_params(
                 kwargs, prompt_len, self.handle.max_model_len, self.limits.max_tokens_limit, default_max_tokens
             )
-            self.handle.engine.check_constraint(params)
+            self.handle.engine.check_params(params)
             return params
         except RequestError as e:
             raise _bad_request(e, renames) from None

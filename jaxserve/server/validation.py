@@ -39,7 +39,9 @@ def _from_wire(msg: pb.SamplingParams) -> dict:
     kwargs = {}
     for name in (f.name for f in dataclasses.fields(SamplingParams)):
         field = _WIRE[name]
-        if field.is_repeated:
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            kwargs[name] = tuple((k, _wire_float(v)) for k, v in getattr(msg, name).items())
+        elif field.is_repeated:
             kwargs[name] = tuple(getattr(msg, name))
         elif msg.HasField(name):
             value = getattr(msg, name)
@@ -131,5 +133,5 @@ def validate(
             f"(server.max_prompt_tokens)"
         )
     params = sampling_params(msg.sampling_params, len(ids), handle.max_model_len, limits.max_tokens_limit)
-    handle.engine.check_constraint(params)  # a schema or regex that cannot compile: here, not mid-step
+    handle.engine.check_params(params)  # a schema or regex that cannot compile: here, not mid-step
     return ids, params
