@@ -101,6 +101,7 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
         plan.max_model_len,
         schedule_policy=cfg.schedule_policy,
         lpm_aging_steps=cfg.lpm_aging_steps,
+        min_token_bucket=plan.runner.min_token_bucket,
     )
     engine = Engine(ModelRunner(model, plan.runner), scheduler, tokenizer, eos, overlap=cfg.overlap_scheduling)
     return EngineHandle(cfg, plan, mcfg, tokenizer, engine)

@@ -122,7 +122,7 @@ class LLM:
         encoded = [self.encode(p) for p in self._as_list(prompts)]
         params = self._params_per_prompt(sampling_params, len(encoded))
         # n > 1: one request per sample, all at once (the scheduler computes their shared
-        # prompt once: the others wait for it, then take it from the prefix cache).
+        # prompt once: the others fork from the first when it finishes the prompt).
         flat = [(ids, sp) for ids, p in zip(encoded, params, strict=True) for sp in p.samples()]
         if self.engine.handoff is not None:
             served = self._served([ids for ids, _ in flat], [sp for _, sp in flat])

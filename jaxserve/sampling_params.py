@@ -37,8 +37,9 @@ class SamplingParams:
     """
 
     max_tokens: int = 16  # 0: prefill only (the prompt's K/V computed and cached, no token)
-    # Samples of the prompt (its K/V shared through the prefix cache: the prompt is computed
-    # once, and each sample then recomputes only its last token for its own first logits).
+    # Samples of the prompt, computed once: the other samples fork from the first in the
+    # step that finishes it (their first token drawn from its last logits row; pages shared,
+    # the last one copied), or, when a fork is not possible, reuse it from the prefix cache.
     # With a seed, sample i draws with its own seed derived from it (sample 0: the seed).
     n: int = 1
     temperature: float = 1.0

@@ -127,14 +127,14 @@ def test_lpm_aging_admits_a_cold_request(aging, admitted):
     sched.add(warm)
     while sched.has_unfinished():
         out = sched.schedule()
-        sched.update(out, [1] * len(out.scheduled))
+        sched.update(out, [1] * out.num_rows)
     cold = _req(1, [300 + i for i in range(40)])
     sched.add(cold)
     for step in range(40):
         for k in range(3):  # a stream of hot requests, more than the batch can take
             sched.add(_req(100 + 3 * step + k, hot_prefix + [200 + 3 * step + k]))
         out = sched.schedule()
-        sched.update(out, [1] * len(out.scheduled))
+        sched.update(out, [1] * out.num_rows)
         sched.check_integrity()
         if cold.status is not RequestStatus.WAITING:
             break

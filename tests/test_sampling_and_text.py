@@ -225,6 +225,9 @@ class ScriptedRunner:
     def fetch(self, handle):
         return handle
 
+    def copy_pages(self, copies):  # no K/V here: twins' page copies have nothing to move
+        pass
+
 
 @pytest.fixture
 def scripted(tiny_model_dir):
@@ -312,16 +315,22 @@ def test_top_k_top_p_min_p_keep_what_a_sort_keeps():
 
 
 def test_n_samples_share_the_prompt(tiny_model_dir):
-    """n = 4 with a 500-token prompt: the prompt is computed once (each further sample
-    recomputes only its last token, for its own first logits); seeded samples differ from
-    one another and repeat with the seed; greedy samples are identical."""
+    """n = 4 with a 500-token prompt: the prompt is computed once, exactly (the further
+    samples fork from the first: their first token is drawn from its last row's logits);
+    each sample is the one its seed gives alone; seeded samples differ from one another
+    and repeat with the seed; greedy samples are identical."""
     path, hf = tiny_model_dir("qwen2")
     llm = LLM(str(path), dtype="float32", page_size=16, num_pages=256, max_num_batched_tokens=128, progress=False,
               warmup=False)  # fmt: skip
     ids = rng_tokens(500, hf.config.vocab_size, seed=31)
     before = llm.stats()["prefill_tokens_computed"]
-    out = llm.generate([ids], SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True))[0]
-    assert llm.stats()["prefill_tokens_computed"] - before == 500 + 3
+    params = SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    forks = llm.stats()["num_forks"]
+    out = llm.generate([ids], params)[0]
+    assert llm.stats()["prefill_tokens_computed"] - before == 500
+    assert llm.stats()["num_forks"] - forks == 3
+    # Each as it comes alone (from the cache, computing its own last token): the same tokens.
+    assert [llm.generate([ids], p)[0].token_ids for p in params.samples()] == [s.token_ids for s in out.samples]
     assert len(out.samples) == 4 and out.token_ids == out.samples[0].token_ids
     assert len({tuple(s.token_ids) for s in out.samples}) == 4
     again = llm.generate([ids], SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True))[0]

@@ -6,6 +6,8 @@ import random
 import subprocess
 import sys
 
+import pytest
+
 from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
@@ -13,7 +15,9 @@ from jaxserve.sampling_params import SamplingParams
 
 
 def _request(i: int, prompt_len: int, max_tokens: int) -> Request:
-    return Request(f"r{i}", [7] * prompt_len, SamplingParams(max_tokens=max_tokens, temperature=0.0), seed=i)
+    """Prompts differ in their first token: identical ones would be forked (see the fork tests)."""
+    prompt = [100 + i] + [7] * (prompt_len - 1)
+    return Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), seed=i)
 
 
 def _run(sched: Scheduler, steps_limit: int = 10_000) -> list:
@@ -30,7 +34,7 @@ def _run(sched: Scheduler, steps_limit: int = 10_000) -> list:
         for r, n in out.scheduled:
             assert len(r.pages) * sched.kv.pool.page_size >= r.num_computed_tokens + n
         records.append([(r.request_id, n, r.is_prefill_done) for r, n in out.scheduled])
-        sched.update(out, [1] * len(out.scheduled))
+        sched.update(out, [1] * out.num_rows)
         sched.check_integrity()
     raise AssertionError("did not finish")
 
@@ -82,7 +86,7 @@ def test_long_prompt_is_chunked_while_decodes_continue():
         sched.add(r)
     for _ in range(2):  # get them decoding
         out = sched.schedule()
-        sched.update(out, [1] * len(out.scheduled))
+        sched.update(out, [1] * out.num_rows)
     long = _request(9, 200, 1)
     sched.add(long)
     steps_with_long = 0
@@ -92,7 +96,7 @@ def test_long_prompt_is_chunked_while_decodes_continue():
         if "r9" in ids:
             steps_with_long += 1
             assert all(ids.get(r.request_id) == 1 for r in decoders), "a decode stalled behind the prefill"
-        sched.update(out, [1] * len(out.scheduled))
+        sched.update(out, [1] * out.num_rows)
     assert steps_with_long >= 200 // 13  # at most 16 - 3 prefill tokens per step
 
 
@@ -140,7 +144,7 @@ def test_two_long_prompts_in_a_pool_that_fits_one_at_a_time():
 
 def _step(sched: Scheduler) -> list[str]:
     out = sched.schedule()
-    sched.update(out, [1] * len(out.scheduled))
+    sched.update(out, [1] * out.num_rows)
     sched.check_integrity()
     return [r.request_id for r, _ in out.scheduled]
 
@@ -183,3 +187,77 @@ def test_admission_alternates_between_clients():
         r.client = "b"
         sched.add(r)
     assert _step(sched) == ["r0", "r6", "r1", "r7"]
+
+
+def _twins(n: int, prompt_len: int, max_tokens: int, first: int = 0) -> list[Request]:
+    prompt = [9] * prompt_len
+    return [Request(f"t{first + i}", prompt, SamplingParams(max_tokens=max_tokens), seed=i) for i in range(n)]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_twins_fork_from_the_request_finishing_their_prompt(prefix_caching):
+    """Requests with one prompt (n > 1 samples, identical requests) compute it once: the
+    others fork in the step that finishes it, share its whole pages, get a copy of its
+    last partly filled page before the next step, and decode on their own from there."""
+    sched = Scheduler(
+        KVManager(200, 4, prefix_caching),
+        max_num_batched_tokens=8,
+        max_num_seqs=6,
+        max_model_len=64,
+        min_token_bucket=8,
+    )
+    reqs = _twins(4, 10, 5)
+    for r in reqs:
+        sched.add(r)
+    computed, forked_at = 0, None
+    for step in range(100):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        sched.check_integrity()  # the reserved copy page is accounted for
+        if step == forked_at:  # the step after the fork copies the parent's last page for each twin
+            assert len(out.page_copies) == 3 and all(src == reqs[0].pages[2] for src, _ in out.page_copies)
+        computed += sum(n for r, n in out.scheduled if not r.is_prefill_done or n > 1)
+        if out.forks:
+            assert [t.request_id for t, _, _ in out.forks] == ["t1", "t2", "t3"]
+            assert all(p is reqs[0] for _, p, _ in out.forks) and forked_at is None
+            forked_at = step + 1
+        sched.update(out, [1] * out.num_rows)
+        if out.forks:
+            for twin in reqs[1:]:
+                assert twin.pages[:2] == reqs[0].pages[:2] and twin.pages[2] != reqs[0].pages[2]
+                assert twin.num_computed_tokens == 10 and twin.output_token_ids == [1]
+        sched.check_integrity()
+    assert computed == 10 and forked_at is not None
+    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.output_token_ids == [1] * 5 for r in reqs)
+    if not prefix_caching:  # (with it, the prompt and outputs stay cached)
+        assert sched.kv.pool.num_in_use == 0
+    assert not sched.kv.reserved and sched.num_forks == 3
+
+
+def test_no_fork_past_max_num_seqs_or_without_a_page_or_for_prompt_logprobs():
+    # 3 slots: the parent and two twins fork; the fourth computes its own last token later.
+    sched = Scheduler(
+        KVManager(200, 4), max_num_batched_tokens=16, max_num_seqs=3, max_model_len=64, min_token_bucket=8
+    )
+    reqs = _twins(4, 10, 3)
+    reqs[2].params = SamplingParams(max_tokens=3, prompt_logprobs=0)  # scores its prompt: computes it
+    for r in reqs:
+        sched.add(r)
+    out = sched.schedule()
+    assert [t.request_id for t, _, _ in out.forks] == ["t1", "t3"]
+    sched.update(out, [1] * out.num_rows)
+    sched.check_integrity()
+    # No free page for the copy of a partial last page: no fork, nothing reserved.
+    tight = Scheduler(
+        KVManager(4, 4, prefix_caching=False),
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        max_model_len=64,
+        min_token_bucket=8,
+    )
+    for r in _twins(2, 10, 2, first=10):
+        tight.add(r)
+    out = tight.schedule()
+    assert not out.forks and not tight.kv.reserved
+    tight.check_integrity()

@@ -93,6 +93,8 @@ def test_json_schemas_regex_and_choice_hold_on_smollm2(llm):
     questions = [[{"role": "user", "content": q}] for q in ("Give me a phone number.", "What is 2 + 2?")]
     regex = llm.generate(questions, SamplingParams(max_tokens=40, temperature=0.0, regex=phone))
     assert all(re.fullmatch(phone, o.text) for o in regex), [o.text for o in regex]
+    free = llm.generate(questions, SamplingParams(max_tokens=40, temperature=0.0))
+    assert not all(re.fullmatch(phone, o.text) for o in free)
     choices = ("Paris", "London", "Berlin", "Madrid")
     capital = [{"role": "user", "content": "What is the capital of Germany? Answer with the city only."}]
     picked = llm.generate([capital], SamplingParams(max_tokens=10, temperature=0.0, choice=choices))[0]

@@ -291,13 +291,21 @@ class Engine:
             else:
                 seqs.append(ScheduledSeq(request.token_ids[start : start + n], start, request.pages))
             sampling.append(x)
+        # Twins (Scheduler._fork): no tokens, the logits of their parent's last row.
+        ends = itertools.accumulate(n for _, n in out.scheduled)
+        last_row = {id(r): end - 1 for (r, _), end in zip(out.scheduled, ends, strict=True)}
+        for twin, parent, _ in out.forks:
+            seqs.append(ScheduledSeq([], parent.num_prompt_tokens, [], logits_of=last_row[id(parent)]))
+            sampling.append(self._sampling(twin))
         # Structured output: the bitmask of each constrained row that samples this step (a
         # prefill chunk with prompt left does not); its grammar has every token so far, as
         # a step with one in flight is not overlapped (see step).
+        samples = [(r, r.num_computed_tokens + n >= r.num_tokens) for r, n in out.scheduled]
+        samples += [(twin, True) for twin, _, _ in out.forks]
         constrained = [
             (x, request.constraint)
-            for x, (request, n) in zip(sampling, out.scheduled, strict=True)
-            if request.constraint is not None and request.num_computed_tokens + n >= request.num_tokens
+            for x, (request, sampled) in zip(sampling, samples, strict=True)
+            if request.constraint is not None and sampled
         ]
         if constrained:
             masks = self.grammars.fill([c for _, c in constrained])
@@ -306,7 +314,8 @@ class Engine:
         if out.page_copies:
             self.runner.copy_pages(out.page_copies)
         if any(r.scores_prompt for r, _ in out.scheduled):
-            return self.runner.dispatch(seqs, sampling, [self._targets(r, n) for r, n in out.scheduled]), True
+            targets = [self._targets(r, n) for r, n in out.scheduled] + [[] for _ in out.forks]
+            return self.runner.dispatch(seqs, sampling, targets), True
         return self.runner.dispatch(seqs, sampling), False
 
     @staticmethod
@@ -320,7 +329,7 @@ class Engine:
     def _record_prompt_scores(self, out: SchedulerOutput, scores) -> None:
         """Each scored prompt token's logprob (and top-n) into its request, by position
         (a recomputation after preemption writes the same values again)."""
-        for (request, n), (target, top_ids, top_lp) in zip(out.scheduled, scores, strict=True):
+        for (request, n), (target, top_ids, top_lp) in zip(out.scheduled, scores[: len(out.scheduled)], strict=True):
             if not request.scores_prompt:
                 continue
             want, prompt, start = request.params.prompt_logprobs, request.num_prompt_tokens, request.num_computed_tokens
@@ -346,6 +355,7 @@ class Engine:
             **self.counters,
             **self.scheduler.kv.usage(self.scheduler.running),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_forks": self.scheduler.num_forks,  # requests that took a twin's prompt (n > 1 samples)
             "num_compiles": self.runner.num_compiles,  # compiled or loaded from the compile cache
             "num_compiles_loaded": compile_counter.num_cache_loads(),
             "requests_running": len(self.scheduler.running),

@@ -20,6 +20,10 @@ decides who runs and how many tokens; for pages it asks:
   references); its computed tokens are cached first when ``keep_cached``, and with
   ``pin_s`` the request's lock on them passes to a lease instead of being dropped.
 
+And for twins (the scheduler's forks: a waiting request whose prompt another request
+finishes computing in this step), ``reserve_fork`` then ``fork``: the twin shares the
+prompt's pages without computing any of it.
+
 Leases pin a cached prefix (a frontend warms a shared prefix with a prefill-only request,
 then runs a batch against it): the lease holds a lock on the prefix's radix path, as a
 running request does, so nothing on it is evicted until ``unpin`` or until it expires
@@ -69,6 +73,7 @@ class KVManager:
         self.queried_tokens = 0  # tokens of the admitted requests
         self.leases: dict[str, Lease] = {}
         self._lease_ids = itertools.count(1)
+        self.reserved: set[int] = set()  # pages reserve_fork gave a step's twins, until it commits
         self.clock: Callable[[], float] = time.monotonic  # lease expiry (tests set their own)
 
     @property
@@ -170,6 +175,48 @@ class KVManager:
             self.index.unlock(request.cache_node)
         request.cache_node = leaf
 
+    # -- forks -------------------------------------------------------------------------
+    def reserve_fork(self, parent: Request) -> int | None:
+        """For a twin of ``parent`` (the same prompt, computed by ``parent`` this step):
+        the page its copy of the prompt's last, partly filled page goes to (0: the prompt
+        fills whole pages, none needed), or None if no page can be had."""
+        if parent.num_prompt_tokens % self.page_size == 0:
+            return 0
+        if self.pool.num_free == 0 and self.index is not None:
+            self.index.evict(1)
+        if not self.pool.num_free:
+            return None
+        page = self.pool.allocate(1)[0]
+        self.reserved.add(page)
+        return page
+
+    def fork(self, twin: Request, parent: Request, page: int) -> PageCopy | None:
+        """Gives ``twin`` the prompt ``parent`` has just computed: its whole pages shared,
+        the last partly filled one copied into ``page`` (``reserve_fork``; the returned
+        copy runs before the next step, after the step that writes it)."""
+        assert not twin.pages and twin.num_computed_tokens == 0, "fork into a request holding pages"
+        n = parent.num_prompt_tokens
+        full = n // self.page_size
+        twin.pages = list(parent.pages[:full])
+        self.pool.retain(twin.pages)
+        copy = None
+        if page:
+            self.reserved.remove(page)
+            twin.pages.append(page)
+            copy = (parent.pages[full], page)
+        twin.num_computed_tokens = twin.num_cached_tokens = n
+        if self.index is not None and parent.cache_node is not None:
+            self.index.lock(parent.cache_node)  # the prompt's radix path, as its parent holds it
+            twin.cache_node = parent.cache_node
+        self.hit_tokens += n
+        self.queried_tokens += n
+        return copy
+
+    def unreserve(self, page: int) -> None:
+        if page:
+            self.reserved.remove(page)
+            self.pool.release([page])
+
     # -- leases ------------------------------------------------------------------------
     def _lease(self, request: Request, pin_s: float) -> bool:
         """Turns the request's lock on its cached tokens into a lease, if the pinned pages
@@ -253,5 +300,6 @@ class KVManager:
         for r in holders:
             assert r.num_computed_tokens <= len(r.pages) * self.page_size, f"{r.request_id}: computed beyond its pages"
             refs.update(r.pages)
+        refs.update(self.reserved)
         for p in range(1, self.pool.num_pages):
             assert self.pool.refcounts[p] == refs[p], f"page {p}: refcount {self.pool.refcounts[p]} != {refs[p]} users"

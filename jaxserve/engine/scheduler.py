@@ -22,6 +22,13 @@ step before; a request that the pending token will end by length is not schedule
 that it ends by a stop token wastes one row. Text is not the scheduler's business: the
 output stage reports a matched stop string back through ``stop``.
 
+Twins: a waiting request whose prompt is the very prompt a request finishes in this step
+(the samples of ``n`` > 1, identical requests) is forked from it instead of admitted: no
+tokens of its own, its first token sampled from the same logits row (which batch
+invariance makes the row it would have computed itself), the whole prompt pages shared
+and the last, partly filled one copied before the next step. So ``n`` samples of a
+500-token prompt compute 500 tokens, not 500 + n - 1.
+
 Admission order: ``fcfs``, or ``lpm`` (longest cached prefix first) with an aging bound:
 a request that has waited ``lpm_aging_steps`` steps goes first, so cache-cold requests
 are never starved by a stream of cache-hot ones.
@@ -53,10 +60,19 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     preempted: list[Request] = dataclasses.field(default_factory=list)
     page_copies: list[PageCopy] = dataclasses.field(default_factory=list)  # before the step
+    # Twins: (waiting request, the scheduled request finishing the same prompt, page for
+    # its copy of the last page or 0). Rows after ``scheduled``'s: no tokens, the parent's
+    # last row's logits, their own sampling.
+    forks: list[tuple[Request, Request, int]] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the step samples: the scheduled sequences', then the twins'."""
+        return len(self.scheduled) + len(self.forks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +115,10 @@ class Scheduler:
         max_model_len: int,
         schedule_policy: str = "fcfs",
         lpm_aging_steps: int = 64,
+        min_token_bucket: int = 1,
     ):
+        """``min_token_bucket``: the runner's smallest token bucket. A step's sequences
+        (twins included) never outnumber its tokens padded to it: the shapes compiled."""
         if schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy {schedule_policy!r} is not one of: {', '.join(SCHEDULE_POLICIES)}")
         self.kv = kv
@@ -108,10 +127,13 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        self.min_token_bucket = min_token_bucket
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the preemption victim
         self.num_preemptions = 0
         self.num_steps = 0
+        self.num_forks = 0
+        self._fork_copies: list[PageCopy] = []  # twins' last-page copies, for the next step
 
     # -- requests in and out ---------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -246,9 +268,39 @@ class Scheduler:
         out.num_prefill_tokens += n
         return True
 
+    def _fork(self, twin: Request, out: SchedulerOutput) -> bool:
+        """Forks ``twin`` from a request whose prompt this step finishes, if one has the same
+        prompt: it then computes none of it (its first token is sampled from that row's
+        logits, which batch invariance makes the ones it would compute itself)."""
+        if (
+            twin.num_pending
+            or twin.num_tokens != twin.num_prompt_tokens  # preempted with output: not a twin
+            or twin.params.prompt_logprobs is not None
+            or twin.params.max_tokens == 0
+            or len(self.running) + len(out.forks) >= self.max_num_seqs
+            # a step never has more sequences than its padded tokens (the compiled bucket pairs)
+            or len(out.scheduled) + len(out.forks)
+            >= max(out.num_decode_tokens + out.num_prefill_tokens, self.min_token_bucket)
+        ):
+            return False
+        for parent, n in out.scheduled:
+            if (
+                parent.num_prompt_tokens == twin.num_prompt_tokens
+                and parent.num_sampled == 0
+                and parent.num_computed_tokens + n == parent.num_prompt_tokens
+                and parent.token_ids == twin.token_ids
+            ):
+                page = self.kv.reserve_fork(parent)
+                if page is None:
+                    return False
+                out.forks.append((twin, parent, page))
+                return True
+        return False
+
     # -- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(scheduled=[])
+        out = SchedulerOutput(scheduled=[], page_copies=self._fork_copies)
+        self._fork_copies = []
         self.num_steps += 1
         if self.kv.leases:
             self.kv.expire_leases()
@@ -279,8 +331,12 @@ class Scheduler:
             if self._reserve(request, n, out):
                 out.scheduled.append((request, n))
                 out.num_prefill_tokens += n
+        forked = set()
         for request in self._admission_order():
-            if budget() == 0 or len(self.running) >= self.max_num_seqs:
+            if self._fork(request, out):
+                forked.add(id(request))
+                continue
+            if budget() == 0 or len(self.running) + len(out.forks) >= self.max_num_seqs:
                 break
             if request.num_pending:
                 continue  # preempted with a token in flight: admitted once it is known
@@ -288,6 +344,11 @@ class Scheduler:
                 continue  # wait for the running request to cache the shared prefix
             if not self._admit(request, out, budget()):
                 break
+        # 3. Twins of the prompts this step finishes (n > 1 samples, identical requests),
+        # also past where admission stopped: they take no budget.
+        for request in self._admission_order():
+            if id(request) not in forked:
+                self._fork(request, out)
         return out
 
     def update(self, out: SchedulerOutput, tokens: list[int]) -> list[Sampled]:
@@ -301,11 +362,29 @@ class Scheduler:
         prefill-only requests (``max_tokens`` 0) whose prompt is now computed: they end
         here, FINISHED_LENGTH, their prompt's K/V in the prefix cache."""
         pending, ended = [], []
+        twins: dict[int, list[tuple[int, Request, int]]] = {}
+        for j, (twin, parent, page) in enumerate(out.forks):
+            twins.setdefault(id(parent), []).append((len(out.scheduled) + j, twin, page))
         for row, (request, n) in enumerate(out.scheduled):
             if request.status is not RequestStatus.RUNNING:
+                for _, _, page in twins.pop(id(request), ()):
+                    self.kv.unreserve(page)  # its twins stay waiting: admitted as usual later
                 continue  # ended (aborted, or by the step before) since it was scheduled
             assert not request.num_pending, "commit of a request whose last token is unresolved"
             self.kv.commit(request, n)
+            for twin_row, twin, page in twins.pop(id(request), ()):
+                if twin.status.is_finished:
+                    self.kv.unreserve(page)
+                    continue
+                copy = self.kv.fork(twin, request, page)
+                if copy is not None:
+                    self._fork_copies.append(copy)
+                self.waiting.remove(twin)
+                twin.status = RequestStatus.RUNNING
+                self.running.append(twin)
+                twin.num_pending = 1
+                pending.append(Pending(twin, twin_row))
+                self.num_forks += 1
             if request.num_tokens_to_compute > 0:
                 continue  # a prefill chunk with prompt left: its sample is not a token
             if request.params.max_tokens == 0:

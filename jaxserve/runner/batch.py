@@ -64,6 +64,10 @@ class ScheduledSeq:
     # >= 0: its (one) token is what row ``feed_row`` of the step before samples, still on
     # the device (overlap scheduling); token_ids[0] is then a stand-in.
     feed_row: int = -1
+    # >= 0: a twin (the scheduler's fork): no tokens and no attention (kv_len 0, like
+    # padding), its logits those of flat token row ``logits_of``, sampled at position
+    # ``start``. Twins come after every sequence with tokens.
+    logits_of: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +78,7 @@ class PackedBatch:
     feed_rows: np.ndarray  # [T] int32: the previous step's row whose sample is this token, or -1
     num_seqs: int
     num_tokens: int
+    sample_positions: np.ndarray  # [S] int32: the position each row samples (its kv_len; a twin's prompt length)
 
 
 def pack(
@@ -91,7 +96,13 @@ def pack(
     logits_indices = np.zeros(s_pad, np.int32)
     feed_rows = np.full(t_pad, -1, np.int32)
     offset = 0
+    sample_positions = np.zeros(s_pad, np.int32)
     for i, s in enumerate(seqs):
+        if s.logits_of >= 0:
+            query_start_loc[i] = offset
+            logits_indices[i] = s.logits_of
+            sample_positions[i] = s.start
+            continue
         n = len(s.token_ids)
         pos = np.arange(s.start, s.start + n, dtype=np.int32)
         pages = np.asarray(s.pages, np.int32)
@@ -102,7 +113,8 @@ def pack(
         kv_lens[i] = s.start + n
         page_table[i, : len(pages)] = pages
         logits_indices[i] = offset + n - 1
+        sample_positions[i] = s.start + n
         feed_rows[offset] = s.feed_row
         offset += n
     md = AttentionMetadata(input_ids, positions, slot_mapping, query_start_loc, kv_lens, page_table, logits_indices)
-    return PackedBatch(md, feed_rows, len(seqs), num_tokens)
+    return PackedBatch(md, feed_rows, len(seqs), num_tokens, sample_positions)

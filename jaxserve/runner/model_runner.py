@@ -187,7 +187,7 @@ def step_inputs(
     """The packed batch and the step's metadata pytrees (numpy)."""
     tokens, seq_buckets = cfg.buckets
     b = pack(seqs, cfg.page_size, cfg.pages_per_seq, tokens, seq_buckets)
-    smd, pmd = sampling_metadata(sampling, len(b.md.kv_lens), b.md.kv_lens.copy(), cfg.max_model_len)
+    smd, pmd = sampling_metadata(sampling, len(b.md.kv_lens), b.sample_positions, cfg.max_model_len)
     return b, (b.md, b.feed_rows, smd, pmd, allowed_tokens(sampling, len(b.md.kv_lens)))
 
 
