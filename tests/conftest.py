@@ -163,6 +163,36 @@ def serve_llm(llm, config):
 
 
 @contextlib.contextmanager
+def gated_server(path, config, name: str = "tiny"):
+    """A real server over a tiny model whose start-up holds before reporting SERVING until
+    ``open_gate()``: callers see the warming-up phase first. Yields (llm, server, gRPC
+    port, open_gate)."""
+    import asyncio
+    import threading
+
+    from jaxserve import LLM
+    from jaxserve.server.server import Server, ServerHandle
+
+    llm = LLM(
+        str(path), dtype="float32", page_size=16, num_pages=400, max_num_seqs=8, max_num_batched_tokens=64,
+        progress=False, warmup=False,
+    )  # fmt: skip
+    gate = threading.Event()
+
+    async def before_serving():
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+
+    server = Server(llm.handle, config, name, progress=False, before_serving=before_serving)
+    handle = ServerHandle(server)
+    try:
+        yield llm, server, handle.start(), gate.set
+    finally:
+        gate.set()
+        handle.stop()
+
+
+@contextlib.contextmanager
 def tiny_server(path, server_config=None, **llm_options):
     """A real gRPC server over a tiny model on a free loopback port: (llm, server, address)."""
     from jaxserve import LLM

@@ -14,11 +14,11 @@ import httpx
 import openai
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import SamplingParams
 from jaxserve.client import Client, wait_until_serving
 from jaxserve.server.config import ServerConfig
-from jaxserve.server.server import SERVICE_NAME, Server, ServerHandle
-from tests.conftest import rng_tokens
+from jaxserve.server.server import SERVICE_NAME
+from tests.conftest import gated_server, rng_tokens
 
 GREEDY = dict(temperature=0.0)
 NO_EOS = {"ignore_eos": True}  # vLLM's extra, through extra_body
@@ -28,39 +28,19 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 @pytest.fixture(scope="module")
 def api(tiny_model_dir):
     path, _ = tiny_model_dir("llama3")
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        page_size=16,
-        num_pages=400,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        progress=False,
-        warmup=False,
-    )
-    gate = threading.Event()
-
-    async def before_serving():
-        while not gate.is_set():
-            await asyncio.sleep(0.01)
-
     cfg = ServerConfig(port=0, http_port=0, metrics_port=None, max_waiting_requests=64)
-    server = Server(llm.handle, cfg, "tiny", progress=False, before_serving=before_serving)
-    handle = ServerHandle(server)
-    port = handle.start()
-    while server.http_port is None:
-        time.sleep(0.01)
-    base = f"http://127.0.0.1:{server.http_port}"
-    warming = (
-        httpx.get(f"{base}/health"),
-        httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}),
-    )
-    gate.set()
-    wait_until_serving(f"127.0.0.1:{port}", timeout=300, service=SERVICE_NAME)
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-    yield llm, server, f"127.0.0.1:{port}", base, client, warming
-    client.close()
-    handle.stop()
+    with gated_server(path, cfg) as (llm, server, port, open_gate):
+        while server.http_port is None:
+            time.sleep(0.01)
+        base = f"http://127.0.0.1:{server.http_port}"
+        warming = (
+            httpx.get(f"{base}/health"),
+            httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+        )
+        open_gate()
+        wait_until_serving(f"127.0.0.1:{port}", timeout=300, service=SERVICE_NAME)
+        with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as client:
+            yield llm, server, f"127.0.0.1:{port}", base, client, warming
 
 
 def test_warming_up_is_503_then_health_and_models(api):

@@ -10,12 +10,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import SamplingParams
 from jaxserve.client import Client, build_request, wait_until_serving
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.proto import jaxserve_pb2 as pb
-from jaxserve.server.server import SERVICE_NAME, Server, ServerHandle
-from tests.conftest import rng_tokens, tiny_server
+from jaxserve.server.server import SERVICE_NAME
+from tests.conftest import gated_server, rng_tokens, tiny_server
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -23,35 +23,15 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
     path, _ = tiny_model_dir("llama3")
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        page_size=16,
-        num_pages=400,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        progress=False,
-        warmup=False,
-    )
-    gate = threading.Event()
-
-    async def before_serving():
-        while not gate.is_set():
-            await asyncio.sleep(0.01)
-
     cfg = ServerConfig(port=0, http_port=None, metrics_port=0, max_waiting_requests=64, drain_grace_seconds=5)
-    server = Server(llm.handle, cfg, str(path), progress=False, before_serving=before_serving)
-    handle = ServerHandle(server)
-    port = handle.start()
-    addr = f"127.0.0.1:{port}"
-    channel = grpc.insecure_channel(addr)
-    health = health_pb2_grpc.HealthStub(channel)
-    first = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status
-    gate.set()
-    wait_until_serving(addr, timeout=300, service=SERVICE_NAME)
-    yield llm, server, addr, first
-    channel.close()
-    handle.stop()
+    with gated_server(path, cfg, str(path)) as (llm, server, port, open_gate):
+        addr = f"127.0.0.1:{port}"
+        with grpc.insecure_channel(addr) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            first = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status
+        open_gate()
+        wait_until_serving(addr, timeout=300, service=SERVICE_NAME)
+        yield llm, server, addr, first
 
 
 def test_health_goes_not_serving_to_serving(served):

@@ -34,17 +34,15 @@ SCHEMA = {
 PROMPTS = ["Machine learning", "The capital of France", "Deep learning is fun", "Paris"]
 
 
+def _llm(tiny_model_dir, **options) -> LLM:
+    path = str(tiny_model_dir("llama3")[0])
+    return LLM(path, dtype="float32", page_size=16, num_pages=200, max_num_seqs=8, max_num_batched_tokens=64,
+               progress=False, **options)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(
-        str(tiny_model_dir("llama3")[0]),
-        dtype="float32",
-        page_size=16,
-        num_pages=200,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        progress=False,
-    )
+    return _llm(tiny_model_dir)
 
 
 def _sampled(**kw) -> list[SamplingParams]:
@@ -122,17 +120,7 @@ def _fields(params: SamplingParams) -> dict:
 def test_overlapped_and_serial_loops_give_the_same_constrained_outputs(tiny_model_dir):
     outs = []
     for overlap in (True, False):
-        llm = LLM(
-            str(tiny_model_dir("llama3")[0]),
-            dtype="float32",
-            page_size=16,
-            num_pages=200,
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-            progress=False,
-            warmup=False,
-            overlap_scheduling=overlap,
-        )
+        llm = _llm(tiny_model_dir, warmup=False, overlap_scheduling=overlap)
         params = _sampled(json_schema=json.dumps(SCHEMA)) + [SamplingParams(max_tokens=20, temperature=0.0)] * 4
         outs.append([o.text for o in llm.generate(PROMPTS * 2, params)])
         llm.scheduler.check_integrity()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import itertools
 import json
@@ -602,27 +603,18 @@ class OpenAIServer:
             return StreamingResponse(_sse(events()), media_type="text/event-stream")
 
         async def collect():
-            parts = {i: [] for i in range(len(engine_ids))}
-            finals: dict[int, Delta] = {}
-            async for i, d in deltas:
-                parts[i].append(d)
-                if d.finish_reason is not None:
-                    finals[i] = d
+            gathered = await _gather(deltas, len(engine_ids))
             choices = []
-            for i in range(len(engine_ids)):
+            for i, c in enumerate(gathered):
                 echo = prepared[i // n][2]
-                text = echo + "".join(d.text for d in parts[i])
-                choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finals[i].finish_reason}
+                choice = {"index": i, "text": echo + c.text, "logprobs": None, "finish_reason": c.final.finish_reason}
                 if with_logprobs:
-                    ids = [t for d in parts[i] for t in d.token_ids]
-                    lps = [x for d in parts[i] for x in d.logprobs]
-                    tops = [x for d in parts[i] for x in d.top_logprobs]
-                    choice["logprobs"] = self._completion_logprobs(ids, lps, tops, len(echo))
-                choice["stop_reason"] = finals[i].stop_reason
+                    choice["logprobs"] = self._completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, len(echo))
+                choice["stop_reason"] = c.final.stop_reason
                 if body.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = self._prompt_logprobs(prepared[i // n][0], finals[i])
+                    choice["prompt_logprobs"] = self._prompt_logprobs(prepared[i // n][0], c.final)
                 choices.append(choice)
-            return {**head, "choices": choices, "usage": self._usage(finals, n)}
+            return {**head, "choices": choices, "usage": self._usage({i: c.final for i, c in enumerate(gathered)}, n)}
 
         return await self._unless_disconnected(request, collect())
 
@@ -667,29 +659,20 @@ class OpenAIServer:
             return StreamingResponse(_sse(events()), media_type="text/event-stream")
 
         async def collect():
-            parts = {i: [] for i in range(n)}
-            finals: dict[int, Delta] = {}
-            async for i, d in deltas:
-                parts[i].append(d)
-                if d.finish_reason is not None:
-                    finals[i] = d
+            gathered = await _gather(deltas, n)
             choices = []
-            for i in range(n):
+            for i, c in enumerate(gathered):
                 choice = {
                     "index": i,
-                    "message": {"role": "assistant", "content": "".join(d.text for d in parts[i])},
+                    "message": {"role": "assistant", "content": c.text},
                     "logprobs": None,
-                    "finish_reason": finals[i].finish_reason,
-                    "stop_reason": finals[i].stop_reason,
+                    "finish_reason": c.final.finish_reason,
+                    "stop_reason": c.final.stop_reason,
                 }
                 if body.logprobs:
-                    choice["logprobs"] = self._chat_logprobs(
-                        [t for d in parts[i] for t in d.token_ids],
-                        [x for d in parts[i] for x in d.logprobs],
-                        [x for d in parts[i] for x in d.top_logprobs],
-                    )
+                    choice["logprobs"] = self._chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
                 choices.append(choice)
-            return {**head, "choices": choices, "usage": self._usage(finals, n)}
+            return {**head, "choices": choices, "usage": self._usage({i: c.final for i, c in enumerate(gathered)}, n)}
 
         return await self._unless_disconnected(request, collect())
 
@@ -766,6 +749,31 @@ class OpenAIServer:
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         return app
+
+
+@dataclasses.dataclass
+class _Gathered:
+    """One choice's deltas, joined."""
+
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list = dataclasses.field(default_factory=list)
+    final: Delta | None = None
+
+
+async def _gather(deltas: AsyncIterator[tuple[int, Delta]], n: int) -> list[_Gathered]:
+    """Every delta of ``n`` choices, joined per choice (a non-streaming answer)."""
+    out = [_Gathered() for _ in range(n)]
+    async for i, d in deltas:
+        c = out[i]
+        c.text += d.text
+        c.token_ids += d.token_ids
+        c.logprobs += d.logprobs
+        c.top_logprobs += d.top_logprobs
+        if d.finish_reason is not None:
+            c.final = d
+    return out
 
 
 def _event(payload: dict) -> str:
