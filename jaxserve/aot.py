@@ -217,8 +217,10 @@ class StepCompiler:
         """The sampler for sequence bucket ``seqs`` (the penalised variant if asked)."""
         _, _, smd, pmd, _ = self._inputs(seqs, seqs, penalties)
         logits = jax.ShapeDtypeStruct((seqs, self.vocab_size), np.float32, sharding=self.replicated)
+        words = (self.vocab_size + 31) // 32  # structured output's token bitmask
+        allowed = jax.ShapeDtypeStruct((seqs, words), np.int32, sharding=self.replicated)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-            return Compiled.of(self._sample, logits, smd, pmd, self.feed_tokens)
+            return Compiled.of(self._sample, logits, smd, pmd, self.feed_tokens, allowed)
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -234,11 +234,11 @@ def make_scored_forward(graphdef, backend: AttentionBackend):
 
 
 def make_sample(max_num_seqs: int, mesh=None):
-    """``sample(logits, smd, pmd, feed_tokens[, allowed])``: penalised rows' histories completed from
+    """``sample(logits, smd, pmd, feed_tokens, allowed)``: penalised rows' histories completed from
     the step before (``feed_history``), then ``sample``, plus its tokens padded to
     ``max_num_seqs`` rows: the next step's ``feed_tokens``, kept on the device."""
 
-    def sample_step(logits, smd: SamplingMetadata, pmd: PenaltyMetadata | None, feed_tokens, allowed=None):
+    def sample_step(logits, smd: SamplingMetadata, pmd: PenaltyMetadata | None, feed_tokens, allowed):
         if pmd is not None:
             pmd = feed_history(pmd, smd.positions, feed_tokens)
         out = sample(logits, smd, pmd, allowed)
@@ -287,6 +287,7 @@ class ModelRunner:
         zeros = np.zeros(cfg.max_num_seqs, np.int32)
         self._no_feed = jax.device_put(zeros, replicated(mesh) if mesh is not None else None)
         self._feed_tokens = self._no_feed  # the last step's samples, padded (see make_sample)
+        self._no_mask: dict[int, jax.Array] = {}  # sequence bucket -> all-ones token bitmask
         self.recording: list[StepInputs] | None = None  # a list: every step's inputs go in it
 
     def pack(self, seqs: list[ScheduledSeq]) -> PackedBatch:
@@ -390,9 +391,20 @@ class ModelRunner:
             self.kv_cache, logits, scored = self._scored_forward(
                 self.state, self.kv_cache, md, feed_rows, feed, targets
             )
-        # pmd None: the variant without penalties; allowed None: without structured output
-        out, self._feed_tokens = self._sample(logits, smd, pmd, feed, allowed)
+        if allowed is None:  # nothing constrained: the all-ones mask already on the device
+            allowed = self._all_allowed(smd.temperature.shape[0])
+        out, self._feed_tokens = self._sample(logits, smd, pmd, feed, allowed)  # pmd None: no penalties
         return out, scored
+
+    def _all_allowed(self, s: int) -> jax.Array:
+        """Sequence bucket ``s``'s all-ones token bitmask, on the device (made once)."""
+        if s not in self._no_mask:
+            words = (self.vocab_size + 31) // 32
+            mesh = self.cfg.attention_backend.mesh
+            self._no_mask[s] = jax.device_put(
+                np.full((s, words), -1, np.int32), replicated(mesh) if mesh is not None else None
+            )
+        return self._no_mask[s]
 
     def follow(self) -> None:
         """Followers (process > 0): replay the leader's steps and page copies until it stops."""
@@ -434,13 +446,12 @@ class ModelRunner:
 
     def compile_ahead(self, progress: bool = True) -> None:
         """Compiles (or loads from the compile cache) the model for every (token bucket,
-        sequence bucket) pair, the sampler's four variants (penalties, structured output, with
-        or without each) for every sequence bucket and the page copy,
+        sequence bucket) pair, both samplers for every sequence bucket and the page copy,
         without running them: the jitted calls then find them (no compile after warm-up).
         Local to this process: multi-host followers call it too, before ``follow``."""
         pairs = self.cfg.bucket_pairs
         seq_buckets = sorted({s for _, s in pairs})
-        jobs = len(pairs) + 4 * len(seq_buckets) + 1
+        jobs = len(pairs) + 2 * len(seq_buckets) + 1
         bar = tqdm(total=jobs, desc="compiling step buckets", disable=not progress, leave=False)
         logits = {}  # sequence bucket -> logits placed as the sampler receives them
         for t, s in pairs:
@@ -451,13 +462,11 @@ class ModelRunner:
             zeros = np.zeros(out.shape, out.dtype)
             logits[s] = jax.device_put(zeros, out.sharding if self.kv_cache.committed else None)
             bar.update()
-        words = (logits[seq_buckets[0]].shape[1] + 31) // 32 if seq_buckets else 0
         for s in seq_buckets:
             for penalties in (False, True):
                 _, (_, _, smd, pmd, _) = step_inputs(self.cfg, bucket_seqs(self.cfg, s, s), greedy(s, penalties))
-                for allowed in (None, np.full((s, words), -1, np.int32)):  # with structured output or not
-                    self._sample.lower(logits[s], smd, pmd, self._no_feed, allowed).compile()
-                    bar.update()
+                self._sample.lower(logits[s], smd, pmd, self._no_feed, self._all_allowed(s)).compile()
+                bar.update()
         pages = np.zeros(self.cfg.max_num_seqs, np.int32)
         self._copy_pages.lower(self.kv_cache, pages, pages).compile()
         bar.update()

@@ -12,8 +12,9 @@ Penalties need each sequence's token history, ``[S, max_model_len]``: megabytes 
 on an accelerator. Only steps with a penalised request send it: ``sample`` called with
 ``penalties`` is a second compiled variant (per sequence bucket, compiled at warm-up),
 and the other steps neither ship the history nor trace the penalty scatter. Structured
-output's token bitmask (``allowed``, from the host's grammar matchers) is the same kind of
-optional input: steps without a constrained request neither send nor apply one.
+output's token bitmask (``allowed``, from the host's grammar matchers) is an input of
+every step, applied only when a row is constrained (``lax.cond``); steps without one pass
+an all-ones mask kept on the device, so they send nothing and compile nothing more.
 """
 
 from __future__ import annotations
@@ -212,8 +213,8 @@ def sample(
     if penalties is not None:  # a separate compiled variant (see the module doc)
         logits = penalize(logits, penalties)
     logits = jax.lax.cond(jnp.any(md.blocked_ids >= 0), block, lambda x, _: x, logits, md.blocked_ids)
-    if allowed is not None:  # structured output: a variant of its own, like penalties
-        logits = allow(logits, allowed)
+    if allowed is not None:  # structured output: only steps with a constrained row pay for it
+        logits = jax.lax.cond(jnp.any(allowed != -1), allow, lambda x, _: x, logits, allowed)
 
     def random(x):
         return _sample_rows(x, md)

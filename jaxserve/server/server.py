@@ -18,7 +18,6 @@ import ssl
 import threading
 
 import grpc
-import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -30,7 +29,6 @@ from jaxserve.server.auth import TokenAuth, read_tokens
 from jaxserve.server.config import ServerConfig, grpc_address
 from jaxserve.server.interceptors import AuthInterceptor, DecodeInterceptor
 from jaxserve.server.metrics import Metrics
-from jaxserve.server.openai_api import OpenAIServer
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
 from jaxserve.server.servicer import JaxServeServicer
@@ -64,12 +62,10 @@ class Server:
         self.auth = TokenAuth(read_tokens(cfg.auth_tokens_file)) if cfg.auth_tokens_file else None
         self.servicer = JaxServeServicer(handle, self.engine_thread, model_name, cfg, self.auth, self.metrics)
         self.health = HealthServicer()
-        self.http = (
-            OpenAIServer(handle, self.engine_thread, model_name, cfg, self._state, self.auth, self.metrics)
-            if cfg.http_port is not None
-            else None
-        )
-        self._http_server: uvicorn.Server | None = None
+        self.model_name = model_name
+        self.http = None  # the OpenAIServer, once serving HTTP (server.http_port)
+        self._http_server = None  # its uvicorn server
+        self._http_socket: socket.socket | None = None
         self._http_tasks: list[asyncio.Task] = []
         self.port: int | None = None
         self.http_port: int | None = None
@@ -145,8 +141,8 @@ class Server:
                     f"{grpc_address(self.cfg.host, self.cfg.metrics_port)} ({e.strerror or e}); "
                     f"choose a free port, or null to turn metrics off"
                 ) from None
-        if self.http is not None:  # bound before warm-up too: /health answers 503 until SERVING
-            await self._start_http()
+        if self.cfg.http_port is not None:  # bound now (a taken port fails fast), served below
+            self._bind_http()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         if self.on_bound is not None:
@@ -154,6 +150,8 @@ class Server:
         # Warm-up runs on the engine thread, which owns the engine from here on.
         warmup = functools.partial(self.handle.engine.runner.warmup, self.progress) if self.cfg.warmup else None
         self.engine_thread.start(warmup)
+        if self._http_socket is not None:  # while the engine warms up: /health answers 503 until SERVING
+            await self._serve_http()
         # Polled rather than awaited in an executor: Ctrl-C during warm-up must not wait for
         # a thread pool that is blocked until warm-up ends.
         while not self.engine_thread.ready:
@@ -164,29 +162,57 @@ class Server:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._serving = True
 
-    async def _start_http(self) -> None:
+    def _bind_http(self) -> None:
         cfg = self.cfg
         family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.bind((cfg.host, cfg.http_port))
+            sock.listen(128)  # connections queue here until uvicorn accepts them
         except OSError as e:
             sock.close()
             raise ConfigError(
                 f"server.http_port = {cfg.http_port}: cannot listen on {grpc_address(cfg.host, cfg.http_port)} "
                 f"({e.strerror or e}); choose a free port, or null to turn the HTTP API off"
             ) from None
+        self._http_socket = sock
         self.http_port = sock.getsockname()[1]
+
+    async def _serve_http(self) -> None:
+        """The HTTP API on the bound socket. Imported here, not at start-up's beginning:
+        FastAPI's ~0.2 s of imports then overlap the engine thread's warm-up."""
+        import uvicorn
+
+        from jaxserve.server.openai_api import OpenAIServer
+
+        class EmbeddedUvicorn(uvicorn.Server):
+            """uvicorn on our event loop, leaving the process's signals to ``jaxserve run``
+            (whose SIGTERM drains both transports together)."""
+
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+        cfg = self.cfg
+        self.http = OpenAIServer(
+            self.handle, self.engine_thread, self.model_name, cfg, self._state, self.auth, self.metrics
+        )
+        sock = self._http_socket
         tls = {}
         if cfg.tls:  # the same certificate, and the same client CA, as gRPC's
             tls = dict(ssl_certfile=cfg.tls_cert_file, ssl_keyfile=cfg.tls_key_file)
             if cfg.tls_client_ca_file is not None:
                 tls.update(ssl_ca_certs=cfg.tls_client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
         config = uvicorn.Config(
-            self.http.app, log_config=None, lifespan="off", timeout_graceful_shutdown=2, access_log=False, **tls
+            self.http.app,
+            log_config=None,
+            lifespan="off",
+            ws="none",  # no websockets: their protocol modules' import is start-up time for nothing
+            timeout_graceful_shutdown=2,
+            access_log=False,
+            **tls,
         )
-        self._http_server = http = _EmbeddedUvicorn(config)
-        self._http_socket = sock
+        self._http_server = http = EmbeddedUvicorn(config)
         self._http_tasks.append(asyncio.ensure_future(http.serve(sockets=[sock])))
         while not http.started:  # bound already; this waits for its accept loop
             if self._http_tasks[0].done():
@@ -195,15 +221,16 @@ class Server:
             await asyncio.sleep(0.01)
 
     async def _stop_http(self) -> None:
-        http = self._http_server
-        if http is None:
-            return
-        self._http_server = None
-        http.should_exit = True  # its loop notices within 0.1 s, closes connections, returns
-        await asyncio.gather(*self._http_tasks, return_exceptions=True)  # a failed start is raised already
-        self._http_tasks.clear()
-        self._http_socket.close()
-        self.http.close()
+        http, self._http_server = self._http_server, None
+        if http is not None:
+            http.should_exit = True  # its loop notices within 0.1 s, closes connections, returns
+            await asyncio.gather(*self._http_tasks, return_exceptions=True)  # a failed start is raised already
+            self._http_tasks.clear()
+        if self._http_socket is not None:
+            self._http_socket.close()
+            self._http_socket = None
+        if self.http is not None:
+            self.http.close()
 
     def _bind(self, server: grpc.aio.Server) -> int:
         cfg = self.cfg
@@ -255,15 +282,6 @@ class Server:
         await self._stop_http()
         self.servicer.close()
         self.metrics.stop()
-
-
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn on our event loop, leaving the process's signals to ``jaxserve run`` (whose
-    SIGTERM drains both transports together)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
 
 
 def _read(path: str) -> bytes:
