@@ -10,8 +10,9 @@ vLLM's and llama.cpp's guidance backends use.
 The host keeps one matcher per constrained request (``Constraint``): before a step, the
 allowed-token bitmask of each constrained row (``fill``); after it, the sampled token
 advances the matcher (``advance``), and a grammar that has accepted with nothing allowed
-after ends the request. The bitmask goes to the jitted sampler as a fixed-shape input of
-its own compiled variant, so steps without a constrained request run exactly as before.
+after ends the request. The bitmask goes to the jitted sampler as a fixed-shape input
+(nothing recompiles); steps without a constrained request pass an all-ones mask kept on
+the device, and the sampler skips the masking for them (``lax.cond``).
 """
 
 from __future__ import annotations
