@@ -157,29 +157,22 @@ def test_a_second_server_on_a_taken_port_fails_naming_it(served_plain, tiny_mode
     llm = LLM(
         str(tiny_model_dir("llama3")[0]), dtype="float32", num_pages=64, max_num_seqs=2, progress=False, warmup=False
     )
-    other = Server(
-        llm.handle, ServerConfig(port=taken, http_port=None, metrics_port=None, warmup=False), "tiny", progress=False
-    )
-    handle = ServerHandle(other)
-    with pytest.raises(ConfigError, match=rf"server.port = {taken}: cannot listen on 127.0.0.1:{taken}"):
-        handle.start()
-    handle.stop()
-    # ... and the same for a taken metrics port.
-    other = Server(
-        llm.handle, ServerConfig(port=0, http_port=None, metrics_port=taken, warmup=False), "tiny", progress=False
-    )
-    handle = ServerHandle(other)
-    with pytest.raises(ConfigError, match=rf"server.metrics_port = {taken}: cannot listen"):
-        handle.start()
-    handle.stop()
-    # ... and a taken HTTP port.
-    other = Server(
-        llm.handle, ServerConfig(port=0, http_port=taken, metrics_port=None, warmup=False), "tiny", progress=False
-    )
-    handle = ServerHandle(other)
-    with pytest.raises(ConfigError, match=rf"server.http_port = {taken}: cannot listen on 127.0.0.1:{taken}"):
-        handle.start()
-    handle.stop()
+    # A taken gRPC, metrics or HTTP port: each fails naming it.
+    for ports, refusal in (
+        (
+            dict(port=taken, http_port=None, metrics_port=None),
+            rf"server.port = {taken}: cannot listen on 127.0.0.1:{taken}",
+        ),
+        (dict(port=0, http_port=None, metrics_port=taken), rf"server.metrics_port = {taken}: cannot listen"),
+        (
+            dict(port=0, http_port=taken, metrics_port=None),
+            rf"server.http_port = {taken}: cannot listen on 127.0.0.1:{taken}",
+        ),
+    ):
+        handle = ServerHandle(Server(llm.handle, ServerConfig(warmup=False, **ports), "tiny", progress=False))
+        with pytest.raises(ConfigError, match=refusal):
+            handle.start()
+        handle.stop()
     with Client(f"127.0.0.1:{taken}") as c:  # the first server still owns its engine and port
         assert len(c.generate([5, 6], max_tokens=2, **GREEDY).token_ids) == 2
 

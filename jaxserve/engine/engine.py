@@ -221,10 +221,8 @@ class Engine:
         params = request.params
         blocked = tuple(sorted(request.stop_token_ids)) if request.num_sampled < params.min_tokens else ()
         if params.has_penalties:  # the request's own list: the runner copies it into the step's input
-            x = SeqSampling(params, request.seed, request.token_ids, request.num_prompt_tokens, blocked)
-        else:
-            x = SeqSampling(params, request.seed, blocked_ids=blocked)
-        return x
+            return SeqSampling(params, request.seed, request.token_ids, request.num_prompt_tokens, blocked)
+        return SeqSampling(params, request.seed, blocked_ids=blocked)
 
     def step(self) -> tuple[list[Request], list[Request]]:
         """Runs one step; returns (requests that got a token or ended, requests that

@@ -331,8 +331,8 @@ class Scheduler:
             if self._reserve(request, n, out):
                 out.scheduled.append((request, n))
                 out.num_prefill_tokens += n
-        forked = set()
-        for request in self._admission_order():
+        order, forked = self._admission_order(), set()
+        for request in order:
             if self._fork(request, out):
                 forked.add(id(request))
                 continue
@@ -346,8 +346,8 @@ class Scheduler:
                 break
         # 3. Twins of the prompts this step finishes (n > 1 samples, identical requests),
         # also past where admission stopped: they take no budget.
-        for request in self._admission_order():
-            if id(request) not in forked:
+        for request in order:
+            if id(request) not in forked and request.status is not RequestStatus.RUNNING:  # not admitted above
                 self._fork(request, out)
         return out
 

@@ -66,7 +66,7 @@ class Server:
         self.http = None  # the OpenAIServer, once serving HTTP (server.http_port)
         self._http_server = None  # its uvicorn server
         self._http_socket: socket.socket | None = None
-        self._http_tasks: list[asyncio.Task] = []
+        self._http_task: asyncio.Task | None = None  # uvicorn's serve()
         self.port: int | None = None
         self.http_port: int | None = None
         self.metrics_port: int | None = None
@@ -213,10 +213,10 @@ class Server:
             **tls,
         )
         self._http_server = http = EmbeddedUvicorn(config)
-        self._http_tasks.append(asyncio.ensure_future(http.serve(sockets=[sock])))
+        self._http_task = task = asyncio.ensure_future(http.serve(sockets=[sock]))
         while not http.started:  # bound already; this waits for its accept loop
-            if self._http_tasks[0].done():
-                self._http_tasks[0].result()  # re-raises why it could not start
+            if task.done():
+                task.result()  # re-raises why it could not start
                 raise ConfigError("server.http_port: the HTTP server stopped during start-up")
             await asyncio.sleep(0.01)
 
@@ -224,8 +224,8 @@ class Server:
         http, self._http_server = self._http_server, None
         if http is not None:
             http.should_exit = True  # its loop notices within 0.1 s, closes connections, returns
-            await asyncio.gather(*self._http_tasks, return_exceptions=True)  # a failed start is raised already
-            self._http_tasks.clear()
+            await asyncio.gather(self._http_task, return_exceptions=True)  # a failed start is raised already
+            self._http_task = None
         if self._http_socket is not None:
             self._http_socket.close()
             self._http_socket = None
