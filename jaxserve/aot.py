@@ -31,7 +31,7 @@ from jaxserve import compile_cache
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
 from jaxserve.models.config import ModelConfig, config_from_hf
-from jaxserve.models.loading import MATMUL_PARAMS, abstract_model
+from jaxserve.models.loading import MATMUL_PARAMS, abstract_model, int8_weights
 from jaxserve.parallel import kv_cache_sharding, param_sharding
 from jaxserve.plan import EnginePlan, resolve_plan
 from jaxserve.runner.model_runner import bucket_seqs, greedy, make_forward, make_sample, step_inputs
@@ -183,7 +183,11 @@ class StepCompiler:
         mesh = plan.mesh or Mesh(np.asarray(target.devices[:1]).reshape(1, 1), ("data", "model"))
         self.mesh = mesh
         self.replicated = NamedSharding(mesh, P())
-        cfg, model = abstract_model(plan.model_config, plan.dtype, plan.weight_dtype, plan.mesh_config.model)
+        # An abstract checkpoint: int8 weights get per-channel scales (a Hugging Face model).
+        quant = int8_weights(plan.model_config, plan.weight_dtype) if plan.quantization == "int8" else None
+        cfg, model = abstract_model(
+            plan.model_config, plan.dtype, plan.weight_dtype, plan.mesh_config.model, quant=quant
+        )
         self.graphdef, state = nnx.split(model)
         self.state = jax.tree_util.tree_map_with_path(self._param_spec, state)
         backend = plan.backend
@@ -336,7 +340,7 @@ def report(
     )
     out(
         f"engine: {plan.backend.name}, mesh model={plan.mesh_config.model}, dtype {plan.dtype}, weights "
-        f"{plan.weight_dtype}, KV {plan.kv_dtype}; {plan.num_pages} pages of {plan.runner.page_size} tokens "
+        f"{plan.weights}, KV {plan.kv_dtype}; {plan.num_pages} pages of {plan.runner.page_size} tokens "
         f"({plan_kv_gb(plan)} GiB per device), max_model_len {plan.max_model_len}"
     )
     out(f"per device: weights {_gb(work.weight_bytes)} GB, KV cache {_gb(compiler.kv_cache_bytes)} GB")

@@ -26,7 +26,8 @@ from jaxserve.errors import RequestError
 from jaxserve.models.checkpoint import open_checkpoint
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.fetch import default_cache_dir, resolve_model
-from jaxserve.models.loading import load_model, weight_bytes
+from jaxserve.models.loading import int8_weights, load_model, weight_bytes
+from jaxserve.models.quant import Int8Weights
 from jaxserve.parallel.multihost import DistributedConfig, initialize
 from jaxserve.plan import EnginePlan, check_memory, device_free_bytes, resolve_plan
 from jaxserve.runner.model_runner import ModelRunner
@@ -42,6 +43,12 @@ class EngineHandle:
     model_config: ModelConfig
     tokenizer: Any
     engine: Engine
+    quant: Int8Weights | None = None  # the int8 layouts (quantization: int8)
+
+    @property
+    def numerics(self) -> str:
+        """What start-up reports: the plan's dtypes and where int8 weights came from."""
+        return self.plan.numerics + (f"; {self.quant.report()}" if self.quant else "")
 
     @property
     def max_model_len(self) -> int:
@@ -87,11 +94,12 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
     tokenizer = ckpt.tokenizer()
     plan = resolve_plan(cfg, mcfg)
     packed = plan.matmul == "onednn"
-    weights = weight_bytes(mcfg, plan.dtype, plan.weight_dtype, packed=packed)
+    quant = int8_weights(mcfg, plan.weight_dtype, ckpt) if plan.quantization == "int8" else None
+    weights = weight_bytes(mcfg, plan.dtype, plan.weight_dtype, packed=packed, quant=quant)
     check_memory(plan, weights, device_free_bytes(jax.local_devices()[0]))
     kv = KVManager(plan.num_pages, cfg.page_size, cfg.enable_prefix_caching, cfg.prefix_match)
     model = load_model(
-        ckpt, plan.dtype, progress=progress, mesh=plan.mesh, weight_dtype=plan.weight_dtype, packed=packed
+        ckpt, plan.dtype, progress=progress, mesh=plan.mesh, weight_dtype=plan.weight_dtype, packed=packed, quant=quant
     )
     eos = set(mcfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     scheduler = Scheduler(
@@ -104,4 +112,4 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
         min_token_bucket=plan.runner.min_token_bucket,
     )
     engine = Engine(ModelRunner(model, plan.runner), scheduler, tokenizer, eos, overlap=cfg.overlap_scheduling)
-    return EngineHandle(cfg, plan, mcfg, tokenizer, engine)
+    return EngineHandle(cfg, plan, mcfg, tokenizer, engine, quant)

@@ -22,6 +22,7 @@ from jaxserve.attention import BACKENDS
 from jaxserve.engine.kv_manager import PREFIX_MATCH_MODES
 from jaxserve.engine.scheduler import SCHEDULE_POLICIES
 from jaxserve.errors import ConfigError
+from jaxserve.models.quant import QUANTIZATIONS
 from jaxserve.parallel import MeshConfig
 from jaxserve.parallel.multihost import DistributedConfig
 
@@ -128,6 +129,15 @@ class EngineConfig:
         "under float32 activations where the device has bfloat16 units (accelerators; CPUs with AVX-512 BF16 "
         "or AMX), else dtype.",
         one_of(*DTYPES, "auto"),
+    )
+    quantization: str | None = option(
+        None,
+        "int8: the decoder layers' linear weights held as int8 with scales (half of bfloat16's bytes); the dots "
+        "compute in weight_dtype. GGUF Q8_0 / Q4_0 / Q4_1 tensors keep their own blocks of 32 and float16 scales "
+        "(the weights llama.cpp computes with); other checkpoints get per-output-channel scales at load. The "
+        "embedding table and the LM head stay in dtype / weight_dtype. XLA's dots (matmul_backend: xla). "
+        "null: float weights (a GGUF file expanded to weight_dtype).",
+        one_of(*QUANTIZATIONS),
     )
     kv_cache_dtype: str | None = option(
         None,

@@ -74,6 +74,12 @@ class EnginePlan:
     num_pages: int
     runner: RunnerConfig
     matmul: str = "xla"  # xla | onednn (the layers' weights packed for oneDNN at load)
+    quantization: str | None = None  # int8: the layers' weights (jaxserve.models.quant)
+
+    @property
+    def weights(self) -> str:
+        """The layers' weights as held: their dtype, or int8 and the dots' dtype."""
+        return f"{self.quantization} (dots in {self.weight_dtype})" if self.quantization else self.weight_dtype
 
     @property
     def numerics(self) -> str:
@@ -88,7 +94,7 @@ class EnginePlan:
             and cpu_attention.uses_amx()
         )
         return (
-            f"activations {self.dtype}, layer weights {self.weight_dtype} ({self.matmul} matmuls), "
+            f"activations {self.dtype}, layer weights {self.weights} ({self.matmul} matmuls), "
             f"KV cache {self.kv_dtype}{' (attention on AMX tiles)' if amx else ''}{units}"
         )
 
@@ -193,7 +199,16 @@ def resolve_plan(
     # The context cannot outgrow the pages one sequence could hold (all but the scratch page).
     max_model_len = min(max_model_len, (num_pages - 1) * cfg.page_size)
     weight_dtype = storage_dtype(cfg.weight_dtype, dtype, platform)
-    matmul = resolve_matmul(cfg.matmul_backend, weight_dtype, platform, sharded=mesh is not None)
+    if cfg.quantization is not None and cfg.matmul_backend == "onednn":
+        raise ConfigError(
+            f"matmul_backend 'onednn' packs float weights; quantization {cfg.quantization!r} runs on XLA's dots: "
+            "use matmul_backend: xla or auto"
+        )
+    matmul = (
+        "xla"
+        if cfg.quantization is not None
+        else resolve_matmul(cfg.matmul_backend, weight_dtype, platform, sharded=mesh is not None)
+    )
     runner = RunnerConfig(
         page_size=cfg.page_size,
         num_pages=num_pages,
@@ -223,6 +238,7 @@ def resolve_plan(
         num_pages,
         runner,
         matmul,
+        cfg.quantization,
     )
 
 

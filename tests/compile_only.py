@@ -105,8 +105,9 @@ def kernel_failures(kernel, topology: str) -> dict:
 
 
 @functools.cache
-def config_compiler(config: str, topology: str, arch: str = "llama3-8b") -> aot.StepCompiler:
-    engine_cfg, _ = load_run_config(str(ROOT / "configs" / config))
+def config_compiler(config: str, topology: str, arch: str = "llama3-8b", overrides=()) -> aot.StepCompiler:
+    """The step compiler of a shipped config (``overrides``: ``key=value`` as ``--set`` takes)."""
+    engine_cfg, _ = load_run_config(str(ROOT / "configs" / config), list(overrides))
     tgt = _target(topology)
     return aot.StepCompiler(aot.plan_for(engine_cfg, aot.model_config(arch), tgt), tgt)
 

@@ -88,6 +88,27 @@ def test_shipped_tpu_config_compiles_every_bucket_pair(config, topology):
     check_step_reports(compiler, forwards)
 
 
+def test_int8_llama3_8b_fits_one_v5e_chip():
+    """``quantization: int8``: Llama-3-8B's layer weights as int8 with per-channel scales
+    (the embedding and LM head stay bfloat16) take 9.1 GB, so the model and a 5 GiB KV
+    cache fit one v5e chip (bfloat16: 16.1 GB of weights, refused). The int8 weights
+    widen inside the dots' fusions: no program holds a temporary the size of a layer's
+    bfloat16 weights (gate + up: 117 MB)."""
+    compiler = config_compiler(
+        "llama3-8b-tpu-v5e.yaml", "v5e:2x2", overrides=("quantization=int8", "mesh.model=1", "kv_cache_memory_gb=5")
+    )
+    weights = aot.Workload.of(compiler).weight_bytes
+    assert 9.0e9 < weights < 9.2e9, weights
+    aot.check_fits(compiler, weights)
+    for tokens, seqs in ((64, 8), (512, 64)):
+        c = compiler.compile_forward(tokens, seqs)
+        assert c.peak_bytes < compiler.target.chip.hbm_bytes, (tokens, seqs, c.peak_bytes)
+        assert c.temp_bytes < 60e6, (tokens, seqs, c.temp_bytes)
+    bf16 = config_compiler("llama3-8b-tpu-v5e.yaml", "v5e:2x2", overrides=("mesh.model=1", "kv_cache_memory_gb=5"))
+    with pytest.raises(ConfigError, match="does not fit"):
+        aot.check_fits(bf16, aot.Workload.of(bf16).weight_bytes)
+
+
 def test_the_lm_head_is_never_gathered():
     """With the vocabulary sharded, each device computes its logit columns; the step must
     all-gather the logits ([S, V] floats), never the LM head's weights ([E, V])."""

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxserve.errors import ModelLoadError
 from jaxserve.models.config import ModelConfig, RopeConfig, config_from_gguf, config_from_hf
+from jaxserve.models.quant import gguf_blocks
 
 # GGUF quantization types we dequantize (and test against transformers).
 SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -61,6 +62,14 @@ class Checkpoint:
 
     def read(self, name: str) -> np.ndarray:
         raise NotImplementedError
+
+    def tensor_type(self, name: str) -> str | None:
+        """The file's quantization type of a tensor ("Q4_1", ...); None: a plain float array."""
+        return None
+
+    def read_blocks(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """A block-quantized tensor as int8 values, scales and offsets (``quant.gguf_blocks``)."""
+        raise ModelLoadError(f"tensor {name!r} in {self.path} is not block-quantized")
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         for name in self.tensor_names():
@@ -258,14 +267,36 @@ class GGUFCheckpoint(Checkpoint):
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise ModelLoadError(f"cannot dequantize {t.name} ({t.tensor_type.name}) in {self.path}: {e}") from None
-        w = np.asarray(w, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
+        return self._unpermuted(name, np.asarray(w, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)]))
+
+    def _unpermuted(self, name: str, w: np.ndarray) -> np.ndarray:
+        """llama.cpp's q / k row order undone (rows with all they carry: values or block scales)."""
         if self.architecture == "llama":
             cfg = self.config
             if name.endswith("q_proj.weight"):
-                w = _unpermute_llama_qk(w, cfg.num_heads)
-            elif name.endswith("k_proj.weight"):
-                w = _unpermute_llama_qk(w, cfg.num_kv_heads)
+                return _unpermute_llama_qk(w, cfg.num_heads)
+            if name.endswith("k_proj.weight"):
+                return _unpermute_llama_qk(w, cfg.num_kv_heads)
         return w
+
+    def tensor_type(self, name: str) -> str | None:
+        t = self._tensors.get(name)
+        return None if t is None or t.tensor_type.name in ("F32", "F16", "BF16") else t.tensor_type.name
+
+    def read_blocks(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        if name not in self._tensors:
+            raise ModelLoadError(f"tensor {name!r} is missing from {self.path}")
+        t = self._tensors[name]
+        if len(t.shape) != 2:
+            raise ModelLoadError(f"tensor {t.name} in {self.path} is not a matrix: shape {t.shape}")
+        k, rows = t.shape
+        try:
+            parts = gguf_blocks(t.data, t.tensor_type.name, rows, k)
+        except ValueError as e:
+            raise ModelLoadError(
+                f"cannot read {t.name} ({t.tensor_type.name}) in {self.path} as int8 blocks: {e}"
+            ) from None
+        return tuple(None if p is None else self._unpermuted(name, p) for p in parts)
 
     def tokenizer(self):
         if self._tokenizer is None:

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.attention import REFERENCE, AttentionBackend, AttentionMetadata
 from jaxserve.models.config import ModelConfig, rope_inv_freq
+from jaxserve.models.quant import Int8Weights, int8_dot
 from jaxserve.parallel import MODEL
 from pallas_kernels import cpu_matmul
 
@@ -111,19 +112,37 @@ class DecoderLayer(nnx.Module):
     bytes, of dtype ``packed``. Such a weight is never sliced per layer: the layer scan
     hands the block the whole ``[L, bytes]`` stack and the kernel reads layer ``layer``'s
     bytes in place.
+
+    ``quant`` (``quantization: int8``): each linear weight ``name`` is int8, with
+    ``name_scale`` (and ``name_offset``) beside it (``jaxserve.models.quant``).
     """
 
     def __init__(
-        self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs, weight_dtype: str | None = None, packed: str | None = None
+        self,
+        cfg: ModelConfig,
+        dtype,
+        *,
+        rngs: nnx.Rngs,
+        weight_dtype: str | None = None,
+        packed: str | None = None,
+        quant: Int8Weights | None = None,
     ):
         self.weight_dtype = weight_dtype  # static: see weight()
         self.packed = packed
+        self.quant = quant
         self.shapes = matmul_shapes(cfg, packed is not None)
         e, d = cfg.hidden_size, cfg.head_dim
         hq, hkv = cfg.num_heads, cfg.num_kv_heads
         for name, (k, n) in self.shapes.items():
-            if packed is None:
-                setattr(self, name, _param(rngs, (k, n), dtype))
+            if quant is not None:
+                layout = quant.layout(name)
+                setattr(self, name, nnx.Param(jnp.zeros((k, n), jnp.int8)))
+                groups = (layout.groups(k), n)
+                setattr(self, f"{name}_scale", nnx.Param(jnp.ones(groups, layout.scale_dtype)))
+                if layout.offset:
+                    setattr(self, f"{name}_offset", nnx.Param(jnp.zeros(groups, layout.scale_dtype)))
+            elif packed is None:  # as 16-bit patterns where narrower than dtype (weight())
+                setattr(self, name, _param(rngs, (k, n), jnp.uint16 if weight_dtype else dtype))
             else:
                 setattr(self, name, nnx.Param(jnp.zeros((cpu_matmul.packed_bytes(k, n, packed),), jnp.uint8)))
         self.input_norm = nnx.Param(jnp.ones((e,), dtype))
@@ -139,6 +158,10 @@ class DecoderLayer(nnx.Module):
 
     def linear(self, x: jax.Array, name: str, layer: jax.Array) -> jax.Array:
         w = getattr(self, name)[...]
+        if self.quant is not None:
+            scale = getattr(self, f"{name}_scale")[...]
+            offset = getattr(self, f"{name}_offset")[...] if self.quant.layout(name).offset else None
+            return int8_dot(x, w, scale, offset, self.quant.compute_dtype, dot).astype(x.dtype)
         if self.packed is None:
             return linear(x, w, self.weight_dtype)
         return cpu_matmul.matmul(x, w, layer, self.shapes[name][1], self.packed).astype(x.dtype)
@@ -199,9 +222,11 @@ class LlamaForCausalLM(nnx.Module):
         rngs: nnx.Rngs,
         weight_dtype: str | None = None,
         packed: str | None = None,
+        quant: Int8Weights | None = None,
     ):
         """``weight_dtype``: set when matmul weights are stored as 16-bit patterns (weight());
-        ``packed``: the dtype of layer weights packed for oneDNN (DecoderLayer), or None."""
+        ``packed``: the dtype of layer weights packed for oneDNN (DecoderLayer), or None;
+        ``quant``: int8 layer weights (DecoderLayer), or None."""
         self.weight_dtype = weight_dtype
         self.packed = packed
         self.cfg = cfg
@@ -210,7 +235,7 @@ class LlamaForCausalLM(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(cfg, dtype, rngs=rngs, weight_dtype=weight_dtype, packed=packed)
+            return DecoderLayer(cfg, dtype, rngs=rngs, weight_dtype=weight_dtype, packed=packed, quant=quant)
 
         self.layers = make_layers(rngs)
         self.norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))

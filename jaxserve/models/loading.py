@@ -25,6 +25,14 @@ from jaxserve.errors import ModelLoadError
 from jaxserve.models.checkpoint import Checkpoint
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import FUSED, LlamaForCausalLM, matmul_shapes
+from jaxserve.models.quant import (
+    GGUF_BLOCK,
+    GGUF_NATIVE,
+    Int8Weights,
+    gguf_layout,
+    per_channel_layout,
+    quantize_per_channel,
+)
 from jaxserve.parallel import MODEL, check_divisible, param_sharding, replicate_kv_heads
 from pallas_kernels import cpu_matmul
 
@@ -71,26 +79,52 @@ def _convert(w: np.ndarray, transpose: bool, shape: tuple[int, ...], dtype, name
     return w.astype(dtype)
 
 
-def _stack_layers(load, shape: tuple[int, ...], dtype, bar, tensors_per_layer: int = 1) -> np.ndarray:
-    """``[load(0), ..., load(L - 1)]`` as one ``shape`` array, loaded on a thread per core:
-    reading a tensor is mostly numpy work (GGUF dequantization, transposes, packing) that
-    runs without the GIL, so a 2-core machine loads SmolLM2 ~1.6x faster so."""
-    stacked = np.empty(shape, dtype)
+def _map_layers(load, num_layers: int, bar, tensors_per_layer: int = 1):
+    """``(i, load(i))`` for every layer in order, loaded on a thread per core: reading a
+    tensor is mostly numpy work (GGUF dequantization, transposes, packing) that runs
+    without the GIL, so a 2-core machine loads SmolLM2 ~1.6x faster so."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        for i, w in enumerate(pool.map(load, range(shape[0]))):
-            stacked[i] = w
+        for i, w in enumerate(pool.map(load, range(num_layers))):
+            yield i, w
             bar.update(tensors_per_layer)
+
+
+def _stack_layers(load, shape: tuple[int, ...], dtype, bar, tensors_per_layer: int = 1) -> np.ndarray:
+    """``[load(0), ..., load(L - 1)]`` as one ``shape`` array (:func:`_map_layers`)."""
+    stacked = np.empty(shape, dtype)
+    for i, w in _map_layers(load, shape[0], bar, tensors_per_layer):
+        stacked[i] = w
     return stacked
 
 
+def int8_weights(cfg: ModelConfig, compute_dtype: str, ckpt: Checkpoint | None = None) -> Int8Weights:
+    """The int8 layout of each linear weight: a GGUF type kept as its own blocks where every
+    layer's tensor has it (Q8_0, Q4_0, Q4_1), else per-output-channel scales computed at
+    load (Hugging Face checkpoints, other GGUF types; ``ckpt`` None: an abstract model)."""
+    layouts = []
+    for name, (k, _) in matmul_shapes(cfg).items():
+        suffix = _LAYER_PARAMS[name][0]
+        types = {ckpt.tensor_type(f"model.layers.{i}.{suffix}") for i in range(cfg.num_layers)} if ckpt else set()
+        (qtype,) = types if len(types) == 1 else (None,)
+        native = qtype in GGUF_NATIVE and k % GGUF_BLOCK == 0
+        layouts.append((name, gguf_layout(qtype) if native else per_channel_layout(k)))
+    return Int8Weights(tuple(layouts), compute_dtype)
+
+
 def abstract_model(
-    cfg: ModelConfig, dtype: str = "float32", weight_dtype: str | None = None, model_axis: int = 1, packed: bool = False
+    cfg: ModelConfig,
+    dtype: str = "float32",
+    weight_dtype: str | None = None,
+    model_axis: int = 1,
+    packed: bool = False,
+    quant: Int8Weights | None = None,
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """The model's structure with abstract parameters (shapes and dtypes, no memory).
 
     Returns the config as the cache holds it (KV heads replicated up to ``model_axis``)
     and the abstract model. Matmul weights narrower than the activations are held as
-    16-bit patterns (``llama.weight``); with ``packed``, in oneDNN's layout (``cpu_matmul``).
+    16-bit patterns (``llama.weight``); with ``packed``, in oneDNN's layout (``cpu_matmul``);
+    with ``quant``, as int8 and scales (``jaxserve.models.quant``).
 
     Raises:
         ModelLoadError: a bad dtype, or a model the ``model`` axis does not divide.
@@ -113,16 +147,21 @@ def abstract_model(
             rngs=nnx.Rngs(0),
             weight_dtype=weight_dtype if as_bits else None,
             packed=weight_dtype if packed else None,
+            quant=quant,
         )
     )
     return cfg, model
 
 
 def weight_bytes(
-    cfg: ModelConfig, dtype: str = "float32", weight_dtype: str | None = None, packed: bool = False
+    cfg: ModelConfig,
+    dtype: str = "float32",
+    weight_dtype: str | None = None,
+    packed: bool = False,
+    quant: Int8Weights | None = None,
 ) -> int:
     """Bytes of the model's parameters as loaded (all devices together), from shapes only."""
-    _, model = abstract_model(cfg, dtype, weight_dtype, packed=packed)
+    _, model = abstract_model(cfg, dtype, weight_dtype, packed=packed, quant=quant)
     leaves = jax.tree_util.tree_leaves(nnx.state(model))
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
@@ -134,6 +173,7 @@ def load_model(
     mesh: Mesh | None = None,
     weight_dtype: str | None = None,
     packed: bool = False,
+    quant: Int8Weights | None = None,
 ) -> LlamaForCausalLM:
     """Builds the model described by ``ckpt`` and loads its weights in ``dtype``.
 
@@ -144,14 +184,17 @@ def load_model(
     ``weight_dtype`` (default: ``dtype``) stores the decoder layers' linear kernels and
     the LM head; the embedding table, norms and biases keep ``dtype``, the activation
     dtype. ``packed`` (one CPU device): the layers' kernels go in oneDNN's layout.
+    ``quant`` (from :func:`int8_weights`): the layers' kernels go in as int8 and scales.
 
     Raises:
         ModelLoadError: a bad checkpoint, dtype, or a model the mesh does not divide.
     """
     if packed and mesh is not None:
         raise ModelLoadError("packed (oneDNN) weights are for one CPU device, not a mesh")
+    if packed and quant is not None:
+        raise ModelLoadError("int8 weights are not packed for oneDNN")
     cfg, abstract = abstract_model(
-        ckpt.config, dtype, weight_dtype, mesh.shape[MODEL] if mesh is not None else 1, packed=packed
+        ckpt.config, dtype, weight_dtype, mesh.shape[MODEL] if mesh is not None else 1, packed=packed, quant=quant
     )
     kv_factor = cfg.num_kv_heads // ckpt.config.num_kv_heads
     orig_kv_heads = ckpt.config.num_kv_heads
@@ -160,7 +203,7 @@ def load_model(
     as_bits = abstract.weight_dtype is not None
 
     def put(name: str, w: np.ndarray) -> jax.Array:
-        if as_bits and name in MATMUL_PARAMS:
+        if as_bits and name in MATMUL_PARAMS and quant is None:
             w = w.view(np.uint16)
         if mesh is None:
             return jax.device_put(w)
@@ -192,6 +235,10 @@ def load_model(
     for ours, (suffix, transpose) in _LAYER_PARAMS.items():
         if ours not in shapes["layers"] or (packed and ours in MATMUL_PARAMS):
             continue
+        if quant is not None and ours in MATMUL_PARAMS:
+            factor = kv_factor if ours in _KV_PARAMS else 1
+            params["layers"].update(_int8_layers(ckpt, ours, shapes["layers"], quant, factor, orig_kv_heads, put, bar))
+            continue
         shape = tuple(shapes["layers"][ours].shape)
         per_head_kv = ours in _KV_PARAMS and kv_factor > 1
         file_shape = (*shape[1:-1], shape[-1] // kv_factor) if per_head_kv else shape[1:]
@@ -221,3 +268,32 @@ def load_model(
     bar.close()
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
+
+
+def _int8_layers(ckpt, ours, shapes, quant, kv_factor, kv_heads, put, bar) -> dict[str, jax.Array]:
+    """Linear weight ``ours`` of every layer as int8 ``[L, K, N]``, its scales (and
+    offsets) ``[L, G, N]``, each put on device (``ours``, ``ours_scale``, ``ours_offset``)."""
+    suffix, _ = _LAYER_PARAMS[ours]
+    layout = quant.layout(ours)
+    _, k, n = shapes[ours].shape
+    groups = (k // layout.group, n // kv_factor)
+
+    def layer(i: int) -> list[np.ndarray]:
+        hf_name = f"model.layers.{i}.{suffix}"
+        if layout.group == k:  # per output channel, from float (transposed to [in, out])
+            w = _convert(ckpt.read(hf_name), True, (k, n // kv_factor), np.float32, hf_name)
+            parts = list(quantize_per_channel(w))
+        else:  # the file's own blocks, [out, in] -> [in, out]
+            parts = [p.T for p in ckpt.read_blocks(hf_name) if p is not None]
+            if parts[0].shape != (k, n // kv_factor) or parts[1].shape != groups:
+                raise ModelLoadError(
+                    f"tensor {hf_name!r} has shape {parts[0].shape[::-1]}, expected {(n // kv_factor, k)}"
+                )
+        return [replicate_kv_heads(p, kv_heads, kv_factor) for p in parts]
+
+    names = [ours, f"{ours}_scale"] + ([f"{ours}_offset"] if layout.offset else [])
+    stacked = [np.empty(shapes[name].shape, shapes[name].dtype) for name in names]
+    for i, parts in _map_layers(layer, shapes[ours].shape[0], bar):
+        for array, part in zip(stacked, parts, strict=True):
+            array[i] = part
+    return {name: put(name, array) for name, array in zip(names, stacked, strict=True)}

@@ -146,8 +146,10 @@ def replicate_kv_heads(w: np.ndarray, num_kv_heads: int, factor: int, axis: int 
 
 
 def param_sharding(mesh: Mesh, name: str, shape: tuple[int, ...]) -> NamedSharding:
-    """Where parameter ``name`` lives; a dimension the axis does not divide stays replicated."""
-    logical = PARAM_AXES[name]
+    """Where parameter ``name`` lives; a dimension the axis does not divide stays replicated.
+    An int8 weight's scales and offsets (``q_proj_scale``: ``[L, groups, N]``) split as the
+    weight does: a group axis of 1 (per-channel scales) stays whole."""
+    logical = PARAM_AXES[name.removesuffix("_scale").removesuffix("_offset")]
     axes = []
     for size, a in zip(shape, logical, strict=True):
         mesh_axis = LOGICAL_RULES[a]
