@@ -93,8 +93,8 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
     mcfg = ckpt.config
     tokenizer = ckpt.tokenizer()
     plan = resolve_plan(cfg, mcfg)
-    packed = plan.matmul == "onednn"
-    quant = int8_weights(mcfg, plan.weight_dtype, ckpt) if plan.quantization == "int8" else None
+    packed = plan.matmul in ("onednn", "amx")
+    quant = int8_weights(mcfg, plan.weight_dtype, ckpt, fused=packed) if plan.quantization == "int8" else None
     weights = weight_bytes(mcfg, plan.dtype, plan.weight_dtype, packed=packed, quant=quant)
     check_memory(plan, weights, device_free_bytes(jax.local_devices()[0]))
     kv = KVManager(plan.num_pages, cfg.page_size, cfg.enable_prefix_caching, cfg.prefix_match)

@@ -132,11 +132,12 @@ class EngineConfig:
     )
     quantization: str | None = option(
         None,
-        "int8: the decoder layers' linear weights held as int8 with scales (half of bfloat16's bytes); the dots "
-        "compute in weight_dtype. GGUF Q8_0 / Q4_0 / Q4_1 tensors keep their own blocks of 32 and float16 scales "
-        "(the weights llama.cpp computes with); other checkpoints get per-output-channel scales at load. The "
-        "embedding table and the LM head stay in dtype / weight_dtype. XLA's dots (matmul_backend: xla). "
-        "null: float weights (a GGUF file expanded to weight_dtype).",
+        "int8: the decoder layers' linear weights held as int8 with scales (about half of bfloat16's bytes); the "
+        "dots compute in weight_dtype. GGUF Q8_0 / Q4_0 / Q4_1 tensors keep their own blocks of 32 and scales (the "
+        "weights llama.cpp computes with); other checkpoints get per-output-channel scales at load. The embedding "
+        "table and the LM head stay in dtype / weight_dtype. On one CPU device with AMX and bfloat16 dots, an "
+        "int8 AMX kernel (matmul_backend auto); elsewhere XLA's dots. null: float weights (a GGUF file expanded "
+        "to weight_dtype).",
         one_of(*QUANTIZATIONS),
     )
     kv_cache_dtype: str | None = option(
@@ -172,7 +173,8 @@ class EngineConfig:
         "The decoder layers' linear layers and the LM head. xla: XLA's dots. onednn: oneDNN with weights "
         "packed at load (one CPU device, x86-64 Linux with AVX-512; 2-4x XLA's dots at decode batch sizes "
         "on an AMX CPU). auto: onednn on one CPU device where it builds, for float32 weights or for "
-        "bfloat16 ones on a CPU with bfloat16 units; else xla.",
+        "bfloat16 ones on a CPU with bfloat16 units; else xla. With quantization int8, auto picks the int8 "
+        "AMX kernel where it runs, else xla; onednn is refused.",
         one_of(*MATMUL_BACKENDS),
     )
     mesh: dict | None = option(

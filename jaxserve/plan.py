@@ -22,10 +22,11 @@ from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
 from jaxserve.hardware import has_bfloat16_units
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import matmul_shapes
 from jaxserve.parallel import MeshConfig, check_divisible, make_mesh
 from jaxserve.runner.batch import MIN_TOKEN_BUCKET
 from jaxserve.runner.model_runner import RunnerConfig
-from pallas_kernels import cpu_matmul
+from pallas_kernels import cpu_int8, cpu_matmul
 from pallas_kernels.ragged_paged_attention import cpu as cpu_attention
 
 
@@ -73,7 +74,7 @@ class EnginePlan:
     backend: AttentionBackend
     num_pages: int
     runner: RunnerConfig
-    matmul: str = "xla"  # xla | onednn (the layers' weights packed for oneDNN at load)
+    matmul: str = "xla"  # xla | onednn (float weights packed for oneDNN) | amx (int8 blobs, cpu_int8)
     quantization: str | None = None  # int8: the layers' weights (jaxserve.models.quant)
 
     @property
@@ -199,16 +200,10 @@ def resolve_plan(
     # The context cannot outgrow the pages one sequence could hold (all but the scratch page).
     max_model_len = min(max_model_len, (num_pages - 1) * cfg.page_size)
     weight_dtype = storage_dtype(cfg.weight_dtype, dtype, platform)
-    if cfg.quantization is not None and cfg.matmul_backend == "onednn":
-        raise ConfigError(
-            f"matmul_backend 'onednn' packs float weights; quantization {cfg.quantization!r} runs on XLA's dots: "
-            "use matmul_backend: xla or auto"
-        )
-    matmul = (
-        "xla"
-        if cfg.quantization is not None
-        else resolve_matmul(cfg.matmul_backend, weight_dtype, platform, sharded=mesh is not None)
-    )
+    if cfg.quantization is not None:
+        matmul = resolve_int8_matmul(cfg.matmul_backend, mcfg, weight_dtype, platform, sharded=mesh is not None)
+    else:
+        matmul = resolve_matmul(cfg.matmul_backend, weight_dtype, platform, sharded=mesh is not None)
     runner = RunnerConfig(
         page_size=cfg.page_size,
         num_pages=num_pages,
@@ -240,6 +235,25 @@ def resolve_plan(
         matmul,
         cfg.quantization,
     )
+
+
+def resolve_int8_matmul(option: str, mcfg: ModelConfig, weight_dtype: str, platform: str, *, sharded: bool) -> str:
+    """``matmul_backend`` under ``quantization: int8``: ``amx`` (the int8 kernel,
+    ``pallas_kernels.cpu_int8``: one CPU device with AMX, bfloat16 dots, every layer
+    weight's shape taken) where ``auto`` finds it, else ``xla``.
+
+    Raises:
+        ConfigError: ``onednn`` asked for (it packs float weights only).
+    """
+    if option == "onednn":
+        raise ConfigError(
+            "matmul_backend 'onednn' packs float weights; quantization 'int8' runs on the int8 AMX kernel or "
+            "XLA's dots: use matmul_backend: auto or xla"
+        )
+    # Group scales need K % 32 == 0, which per-channel scales take too; the kernel's own rules.
+    shapes_fit = all(cpu_int8.fits(k, n, 32) for k, n in matmul_shapes(mcfg, packed=True).values())
+    fast = platform == "cpu" and not sharded and weight_dtype == "bfloat16" and shapes_fit and cpu_int8.available()
+    return "amx" if option == "auto" and fast else "xla"
 
 
 def resolve_matmul(option: str, weight_dtype: str, platform: str, *, sharded: bool) -> str:

@@ -1,7 +1,8 @@
 """Builds the project's C++ CPU kernels on first use and registers them with XLA's FFI.
 
 One shared library holds every CPU kernel (they split their work the same way over XLA's
-threads: ``cpu_threads.h``): the ragged paged attention kernel always, and the oneDNN matmul
+threads: ``cpu_threads.h``): the ragged paged attention kernel and the int8-weight matmul
+(``cpu_int8.cc``, AMX) always, and the oneDNN matmul
 (``cpu_matmul.cc``) where oneDNN's PyPI build is installed (x86-64 Linux). It is compiled
 with the machine's C++ compiler (``$CXX`` or ``c++``; ``-O3 -march=native``) against the
 FFI headers jaxlib ships, and cached under ``~/.cache/jaxserve/kernels`` keyed by the
@@ -54,6 +55,7 @@ def cpu_flags() -> str:
 ROOT = pathlib.Path(__file__).parent
 ATTENTION = ROOT / "ragged_paged_attention" / "cpu_kernel.cc"
 MATMUL = ROOT / "cpu_matmul.cc"
+INT8 = ROOT / "cpu_int8.cc"
 _ONEDNN_RUNTIME, _ONEDNN_HEADERS = "onednn-cpu-gomp", "onednn-devel-cpu-gomp"
 
 
@@ -128,20 +130,21 @@ class Kernels:
 @functools.cache
 def kernels() -> Kernels:
     """Builds (once per process) the library with every kernel this machine can have and
-    registers their FFI targets: ``jaxserve_ragged_paged_attention`` and, with oneDNN,
-    ``jaxserve_matmul``. A matmul that fails to build leaves the attention kernel alone."""
+    registers their FFI targets: ``jaxserve_ragged_paged_attention``,
+    ``jaxserve_int8_matmul`` and, with oneDNN, ``jaxserve_matmul``. A matmul that fails to build leaves the attention kernel alone."""
     try:
         include, library, version = onednn()
         extra = (f"-I{include}", str(library), f"-Wl,-rpath,{library.parent}", "-fopenmp")
-        lib = build((ATTENTION, MATMUL), "cpu_kernels_onednn", extra, key_parts=(version,))
+        lib = build((ATTENTION, INT8, MATMUL), "cpu_kernels_onednn", extra, key_parts=(version,))
         matmul_error = ""
     except BuildError as e:
         matmul_error = str(e)
         try:
-            lib = build((ATTENTION,), "cpu_kernels")
+            lib = build((ATTENTION, INT8), "cpu_kernels")
         except BuildError as e2:
             return Kernels(None, str(e2), matmul_error)
     register(lib, "JaxserveRaggedPagedAttention", "jaxserve_ragged_paged_attention")
+    register(lib, "JaxserveInt8Matmul", "jaxserve_int8_matmul")
     if not matmul_error:
         register(lib, "JaxserveMatmul", "jaxserve_matmul")
     return Kernels(lib, "", matmul_error)

@@ -17,6 +17,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
 from jaxserve.models.loading import int8_weights, weight_bytes
 from jaxserve.models.quant import dequantize, gguf_blocks, quantize_per_channel
+from pallas_kernels import cpu_int8
 from tests.conftest import rng_tokens
 
 # A fixed text that ships with every Python: the log-likelihood measure of quality.
@@ -175,3 +176,29 @@ def test_smollm2_per_channel_int8_quality(smollm2_float_dir):
         agree += sum(a == b for a, b in zip(top, cont, strict=True))
         total += len(cont)
     assert agree >= 0.9 * total, (agree, total)
+
+
+@pytest.mark.skipif(not cpu_int8.available(), reason="needs a CPU with AMX")
+def test_int8_on_amx_matches_xlas_path_and_is_batch_invariant(tiny_model_dir):
+    """bfloat16 dots on a CPU with AMX: the layers' int8 blobs go through the AMX kernel
+    (fused q/k/v and gate/up, as oneDNN's), giving XLA's int8 path's log-probabilities to
+    float32 rounding, and every request the same greedy tokens batched as alone."""
+    path, _ = tiny_model_dir("qwen2")
+    opts = dict(dtype="float32", weight_dtype="bfloat16", quantization="int8", num_pages=96, progress=False)
+    opts.update(max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=False)
+    amx = LLM(str(path), **opts)
+    xla = LLM(str(path), matmul_backend="xla", warmup=False, **opts)
+    assert (amx.plan.matmul, xla.plan.matmul) == ("amx", "xla")
+    ids = rng_tokens(90, amx.model_config.vocab_size, seed=5)
+    np.testing.assert_allclose(_prompt_logprobs(amx, ids), _prompt_logprobs(xla, ids), atol=2e-3)
+
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    work = [rng_tokens(3 + 29 * i, amx.model_config.vocab_size, seed=10 + i) for i in range(7)]
+    alone = [amx.generate([w], greedy)[0].token_ids for w in work]
+    before = amx.stats()["num_compiles"]
+    reqs = [amx.engine.add_request(w, greedy) for w in work]
+    while amx.engine.has_unfinished():
+        amx.engine.step()
+        amx.scheduler.check_integrity()
+    assert [r.output_token_ids for r in reqs] == alone
+    assert amx.stats()["num_compiles"] == before and amx.stats()["kv_pages_held"] == 0

@@ -21,7 +21,7 @@ from jaxserve.attention import REFERENCE, AttentionBackend, AttentionMetadata
 from jaxserve.models.config import ModelConfig, rope_inv_freq
 from jaxserve.models.quant import Int8Weights, int8_dot
 from jaxserve.parallel import MODEL
-from pallas_kernels import cpu_matmul
+from pallas_kernels import cpu_int8, cpu_matmul
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float = 0.02) -> nnx.Param:
@@ -99,8 +99,12 @@ PACKED_HEAD_ROWS = 8  # rows the packed LM head is always given (see LlamaForCau
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+INT8_BLOBS = "int8"  # ``packed`` for int8 weights in the AMX kernel's blobs (``cpu_int8``)
+
+
 def is_packed(path, variable) -> bool:
-    """nnx filter: linear weights packed for oneDNN (uint8 bytes; ``cpu_matmul``)."""
+    """nnx filter: linear weights packed for a CPU kernel (uint8 bytes; ``cpu_matmul``,
+    ``cpu_int8``)."""
     return getattr(variable, "dtype", None) == jnp.uint8
 
 
@@ -114,7 +118,9 @@ class DecoderLayer(nnx.Module):
     bytes in place.
 
     ``quant`` (``quantization: int8``): each linear weight ``name`` is int8, with
-    ``name_scale`` (and ``name_offset``) beside it (``jaxserve.models.quant``).
+    ``name_scale`` (and ``name_offset``) beside it (``jaxserve.models.quant``); with
+    ``packed`` ``"int8"`` too, each (fused) weight is one blob per layer for the AMX kernel
+    (``pallas_kernels.cpu_int8``), read in place as oneDNN's are.
     """
 
     def __init__(
@@ -134,7 +140,11 @@ class DecoderLayer(nnx.Module):
         e, d = cfg.hidden_size, cfg.head_dim
         hq, hkv = cfg.num_heads, cfg.num_kv_heads
         for name, (k, n) in self.shapes.items():
-            if quant is not None:
+            if quant is not None and packed is not None:
+                layout = quant.layout(name)
+                nbytes = cpu_int8.blob_bytes(k, n, layout.group, layout.offset)
+                setattr(self, name, nnx.Param(jnp.zeros((nbytes,), jnp.uint8)))
+            elif quant is not None:
                 layout = quant.layout(name)
                 setattr(self, name, nnx.Param(jnp.zeros((k, n), jnp.int8)))
                 groups = (layout.groups(k), n)
@@ -158,6 +168,9 @@ class DecoderLayer(nnx.Module):
 
     def linear(self, x: jax.Array, name: str, layer: jax.Array) -> jax.Array:
         w = getattr(self, name)[...]
+        if self.quant is not None and self.packed is not None:
+            layout, (k, n) = self.quant.layout(name), self.shapes[name]
+            return cpu_int8.matmul(x, w, layer, k, n, layout.group, layout.offset).astype(x.dtype)
         if self.quant is not None:
             scale = getattr(self, f"{name}_scale")[...]
             offset = getattr(self, f"{name}_offset")[...] if self.quant.layout(name).offset else None
@@ -223,12 +236,16 @@ class LlamaForCausalLM(nnx.Module):
         weight_dtype: str | None = None,
         packed: str | None = None,
         quant: Int8Weights | None = None,
+        packed_head: str | None = None,
     ):
         """``weight_dtype``: set when matmul weights are stored as 16-bit patterns (weight());
-        ``packed``: the dtype of layer weights packed for oneDNN (DecoderLayer), or None;
-        ``quant``: int8 layer weights (DecoderLayer), or None."""
+        ``packed``: the dtype of layer weights packed for oneDNN, or ``INT8_BLOBS``
+        (DecoderLayer), or None; ``quant``: int8 layer weights (DecoderLayer), or None;
+        ``packed_head``: the dtype of an LM head packed for oneDNN, or None (default: as
+        the layers when they are packed for oneDNN)."""
         self.weight_dtype = weight_dtype
         self.packed = packed
+        self.packed_head = packed_head or (packed if packed is not None and quant is None else None)
         self.cfg = cfg
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
 
@@ -244,8 +261,8 @@ class LlamaForCausalLM(nnx.Module):
         # widening, and a bitcast of a whole parameter is a copy). On an AMX CPU a [32,
         # 576] x [576, 49152] head runs 2.6x faster so (3.0 against 7.7 ms) than a float32
         # x @ embed.T; the lookup keeps the float32 table.
-        if packed is not None:  # oneDNN's layout, as a one-"layer" stack
-            nbytes = cpu_matmul.packed_bytes(cfg.hidden_size, cfg.vocab_size, packed)
+        if self.packed_head:  # oneDNN's layout, as a one-"layer" stack
+            nbytes = cpu_matmul.packed_bytes(cfg.hidden_size, cfg.vocab_size, self.packed_head)
             self.lm_head = nnx.Param(jnp.zeros((1, nbytes), jnp.uint8))
         elif not cfg.tie_word_embeddings or weight_dtype is not None:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), weight_dtype or dtype)
@@ -277,12 +294,12 @@ class LlamaForCausalLM(nnx.Module):
         (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layer_state, layer_ids, windows))
         x = x[md.logits_indices]
         x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
-        if self.packed is not None:
+        if self.packed_head:
             # At least 8 rows: oneDNN's kernel for a [K, 24576] slice changes between 4
             # and 5 rows, and a row's logits must not depend on how many share the step.
             rows = x.shape[0]
             x = jnp.pad(x, ((0, max(0, PACKED_HEAD_ROWS - rows)), (0, 0)))
-            logits = cpu_matmul.matmul(x, self.lm_head[...], 0, cfg.vocab_size, self.packed)[:rows]
+            logits = cpu_matmul.matmul(x, self.lm_head[...], 0, cfg.vocab_size, self.packed_head)[:rows]
         else:
             logits = dot(x, self.lm_head[...] if hasattr(self, "lm_head") else embed.T)
         if backend.mesh is not None:

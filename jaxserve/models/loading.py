@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from jaxserve.errors import ModelLoadError
 from jaxserve.models.checkpoint import Checkpoint
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.llama import FUSED, LlamaForCausalLM, matmul_shapes
+from jaxserve.models.llama import FUSED, INT8_BLOBS, LlamaForCausalLM, matmul_shapes
 from jaxserve.models.quant import (
     GGUF_BLOCK,
     GGUF_NATIVE,
@@ -34,7 +34,7 @@ from jaxserve.models.quant import (
     quantize_per_channel,
 )
 from jaxserve.parallel import MODEL, check_divisible, param_sharding, replicate_kv_heads
-from pallas_kernels import cpu_matmul
+from pallas_kernels import cpu_int8, cpu_matmul
 
 # Our parameter (under `layers`) -> (Hugging Face name under model.layers.N., transpose).
 _LAYER_PARAMS = {
@@ -97,18 +97,31 @@ def _stack_layers(load, shape: tuple[int, ...], dtype, bar, tensors_per_layer: i
     return stacked
 
 
-def int8_weights(cfg: ModelConfig, compute_dtype: str, ckpt: Checkpoint | None = None) -> Int8Weights:
+def int8_weights(
+    cfg: ModelConfig, compute_dtype: str, ckpt: Checkpoint | None = None, fused: bool = False
+) -> Int8Weights:
     """The int8 layout of each linear weight: a GGUF type kept as its own blocks where every
     layer's tensor has it (Q8_0, Q4_0, Q4_1), else per-output-channel scales computed at
-    load (Hugging Face checkpoints, other GGUF types; ``ckpt`` None: an abstract model)."""
-    layouts = []
+    load (Hugging Face checkpoints, other GGUF types; ``ckpt`` None: an abstract model).
+    ``fused`` (the AMX kernel's blobs): the weights one blob joins (``FUSED``) share a
+    layout, per-channel where theirs differ; the fused names are listed too."""
+    layouts = {}
     for name, (k, _) in matmul_shapes(cfg).items():
         suffix = _LAYER_PARAMS[name][0]
         types = {ckpt.tensor_type(f"model.layers.{i}.{suffix}") for i in range(cfg.num_layers)} if ckpt else set()
         (qtype,) = types if len(types) == 1 else (None,)
         native = qtype in GGUF_NATIVE and k % GGUF_BLOCK == 0
-        layouts.append((name, gguf_layout(qtype) if native else per_channel_layout(k)))
-    return Int8Weights(tuple(layouts), compute_dtype)
+        layouts[name] = gguf_layout(qtype) if native else per_channel_layout(k)
+    if fused:
+        for joined, parts in FUSED.items():
+            if len({layouts[p] for p in parts}) > 1:
+                layouts.update({p: per_channel_layout(matmul_shapes(cfg)[p][0]) for p in parts})
+            layouts[joined] = layouts[parts[0]]
+    return Int8Weights(tuple(layouts.items()), compute_dtype)
+
+
+def _onednn_head(weight_dtype: str) -> bool:
+    return weight_dtype in cpu_matmul.DTYPES and cpu_matmul.available()
 
 
 def abstract_model(
@@ -146,8 +159,10 @@ def abstract_model(
             jdtype,
             rngs=nnx.Rngs(0),
             weight_dtype=weight_dtype if as_bits else None,
-            packed=weight_dtype if packed else None,
+            packed=(INT8_BLOBS if quant is not None else weight_dtype) if packed else None,
             quant=quant,
+            # The LM head stays weight_dtype under int8: packed for oneDNN where it runs.
+            packed_head=weight_dtype if packed and quant is not None and _onednn_head(weight_dtype) else None,
         )
     )
     return cfg, model
@@ -191,8 +206,6 @@ def load_model(
     """
     if packed and mesh is not None:
         raise ModelLoadError("packed (oneDNN) weights are for one CPU device, not a mesh")
-    if packed and quant is not None:
-        raise ModelLoadError("int8 weights are not packed for oneDNN")
     cfg, abstract = abstract_model(
         ckpt.config, dtype, weight_dtype, mesh.shape[MODEL] if mesh is not None else 1, packed=packed, quant=quant
     )
@@ -226,7 +239,7 @@ def load_model(
             hf_name = _GLOBAL_PARAMS["embed"][0]  # tied, held apart in weight_dtype: embed.T
         shape = tuple(shapes[ours].shape)
         np_dtype = weight_np if ours in MATMUL_PARAMS or ours == "lm_head" else act_np
-        if ours == "lm_head" and packed:
+        if ours == "lm_head" and abstract.packed_head:
             w = _convert(read(hf_name), transpose, (cfg.hidden_size, cfg.vocab_size), np_dtype, hf_name)
             params[ours] = jax.device_put(cpu_matmul.pack(w)[None])
         else:
@@ -260,7 +273,12 @@ def load_model(
                 for name in names:
                     suffix, transpose = _LAYER_PARAMS[name]
                     hf_name = f"model.layers.{i}.{suffix}"
-                    parts.append(_convert(ckpt.read(hf_name), transpose, plain[name], weight_np, hf_name))
+                    if quant is not None:  # [q, scale, (offset)], each joined by output columns
+                        parts.append(_int8_parts(ckpt, hf_name, quant.layout(name), plain[name]))
+                    else:
+                        parts.append(_convert(ckpt.read(hf_name), transpose, plain[name], weight_np, hf_name))
+                if quant is not None:
+                    return cpu_int8.pack(*(np.concatenate(p, axis=1) for p in zip(*parts, strict=True)))
                 return cpu_matmul.pack(np.concatenate(parts, axis=1))
 
             shape = tuple(shapes["layers"][ours].shape)
@@ -270,25 +288,27 @@ def load_model(
     return nnx.merge(graphdef, state)
 
 
+def _int8_parts(ckpt: Checkpoint, hf_name: str, layout, shape: tuple[int, int]) -> list[np.ndarray]:
+    """One layer's weight ``hf_name`` as ``[q, scale]`` (``+ [offset]``), ``[in, out]``: per
+    output channel from the float tensor, or the file's own blocks."""
+    k, n = shape
+    if layout.group == k:
+        return list(quantize_per_channel(_convert(ckpt.read(hf_name), True, shape, np.float32, hf_name)))
+    parts = [p.T for p in ckpt.read_blocks(hf_name) if p is not None]  # [out, in] -> [in, out]
+    if parts[0].shape != shape or parts[1].shape != (k // layout.group, n):
+        raise ModelLoadError(f"tensor {hf_name!r} has shape {parts[0].shape[::-1]}, expected {shape[::-1]}")
+    return parts
+
+
 def _int8_layers(ckpt, ours, shapes, quant, kv_factor, kv_heads, put, bar) -> dict[str, jax.Array]:
     """Linear weight ``ours`` of every layer as int8 ``[L, K, N]``, its scales (and
     offsets) ``[L, G, N]``, each put on device (``ours``, ``ours_scale``, ``ours_offset``)."""
     suffix, _ = _LAYER_PARAMS[ours]
     layout = quant.layout(ours)
     _, k, n = shapes[ours].shape
-    groups = (k // layout.group, n // kv_factor)
 
     def layer(i: int) -> list[np.ndarray]:
-        hf_name = f"model.layers.{i}.{suffix}"
-        if layout.group == k:  # per output channel, from float (transposed to [in, out])
-            w = _convert(ckpt.read(hf_name), True, (k, n // kv_factor), np.float32, hf_name)
-            parts = list(quantize_per_channel(w))
-        else:  # the file's own blocks, [out, in] -> [in, out]
-            parts = [p.T for p in ckpt.read_blocks(hf_name) if p is not None]
-            if parts[0].shape != (k, n // kv_factor) or parts[1].shape != groups:
-                raise ModelLoadError(
-                    f"tensor {hf_name!r} has shape {parts[0].shape[::-1]}, expected {(n // kv_factor, k)}"
-                )
+        parts = _int8_parts(ckpt, f"model.layers.{i}.{suffix}", layout, (k, n // kv_factor))
         return [replicate_kv_heads(p, kv_heads, kv_factor) for p in parts]
 
     names = [ours, f"{ours}_scale"] + ([f"{ours}_offset"] if layout.offset else [])
