@@ -133,7 +133,7 @@ class EngineConfig:
     quantization: str | None = option(
         None,
         "int8: the decoder layers' linear weights held as int8 with scales (about half of bfloat16's bytes); the "
-        "dots compute in weight_dtype. GGUF Q8_0 / Q4_0 / Q4_1 tensors keep their own blocks of 32 and scales (the "
+        "dots compute in weight_dtype. GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K tensors keep their own blocks of 32 and scales (the "
         "weights llama.cpp computes with); other checkpoints get per-output-channel scales at load. The embedding "
         "table and the LM head stay in dtype / weight_dtype. On one CPU device with AMX and bfloat16 dots, an "
         "int8 AMX kernel (matmul_backend auto); elsewhere XLA's dots. null: float weights (a GGUF file expanded "

@@ -38,6 +38,24 @@ def test_gguf_blocks_are_exactly_ggufs_own_dequantization(qtype):
     np.testing.assert_array_equal(got, expected)
 
 
+def test_q4_k_super_blocks_are_exactly_ggufs_own_dequantization():
+    """Q4_K (256-value super-blocks, 6-bit scales and minimums per 32): any bytes make a
+    block, so random ones (with small finite float16 ``d``, ``dmin``) cover every bit of
+    the scale packing."""
+    rng = np.random.default_rng(0)
+    rows, k = 6, 512
+    blocks = rng.integers(0, 256, (rows, k // 256, 144)).astype(np.uint8)
+    d = (0.01 * rng.random((rows, k // 256, 2))).astype(np.float16)
+    blocks[..., :4] = d.view(np.uint8).reshape(rows, k // 256, 4)
+    data = blocks.reshape(rows, -1)
+    q, scale, offset = gguf_blocks(data, "Q4_K", rows, k)
+    assert scale.dtype == np.float32 and scale.shape == offset.shape == (rows, k // 32)
+    expected = quants.dequantize(data, gguf.GGMLQuantizationType.Q4_K).reshape(rows, k)
+    np.testing.assert_array_equal(dequantize(q.T, scale.T, offset.T).T, expected)
+    with pytest.raises(ValueError, match="not a whole number of 256-element blocks"):
+        gguf_blocks(data[:, :72], "Q4_K", rows, 128)
+
+
 def test_per_channel_quantization_is_within_half_a_step():
     w = np.random.default_rng(1).standard_normal((64, 40)).astype(np.float32)
     w[:, 3] = 0.0  # an all-zero column keeps a usable scale

@@ -28,6 +28,7 @@ from jaxserve.models.llama import FUSED, INT8_BLOBS, LlamaForCausalLM, matmul_sh
 from jaxserve.models.quant import (
     GGUF_BLOCK,
     GGUF_NATIVE,
+    GGUF_ROW_MULTIPLE,
     Int8Weights,
     gguf_layout,
     per_channel_layout,
@@ -101,7 +102,7 @@ def int8_weights(
     cfg: ModelConfig, compute_dtype: str, ckpt: Checkpoint | None = None, fused: bool = False
 ) -> Int8Weights:
     """The int8 layout of each linear weight: a GGUF type kept as its own blocks where every
-    layer's tensor has it (Q8_0, Q4_0, Q4_1), else per-output-channel scales computed at
+    layer's tensor has it (Q8_0, Q4_0, Q4_1, Q4_K), else per-output-channel scales computed at
     load (Hugging Face checkpoints, other GGUF types; ``ckpt`` None: an abstract model).
     ``fused`` (the AMX kernel's blobs): the weights one blob joins (``FUSED``) share a
     layout, per-channel where theirs differ; the fused names are listed too."""
@@ -110,7 +111,7 @@ def int8_weights(
         suffix = _LAYER_PARAMS[name][0]
         types = {ckpt.tensor_type(f"model.layers.{i}.{suffix}") for i in range(cfg.num_layers)} if ckpt else set()
         (qtype,) = types if len(types) == 1 else (None,)
-        native = qtype in GGUF_NATIVE and k % GGUF_BLOCK == 0
+        native = qtype in GGUF_NATIVE and k % GGUF_ROW_MULTIPLE.get(qtype, GGUF_BLOCK) == 0
         layouts[name] = gguf_layout(qtype) if native else per_channel_layout(k)
     if fused:
         for joined, parts in FUSED.items():

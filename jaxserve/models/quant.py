@@ -15,12 +15,14 @@ a checkpoint (:class:`Layout`):
   127``. The scale is applied to the dot's float32 result, ``(x @ q) * scale``, exact
   algebra: the weight itself is never widened beyond int8 -> the compute dtype.
 - **GGUF blocks of 32** (``G = K / 32``), kept as the file has them: Q8_0 (``d * q``),
-  Q4_0 (``d * (q - 8)``) and Q4_1 (``d * q + m``) are all int8 values with float16 block
-  scales (and Q4_1's minimums), so no second rounding: the weight a matmul sees is the one
-  llama.cpp's dequantization gives. 4-bit values are held one per int8 rather than packed
-  two per byte: every backend's dot takes int8 operands, while int4 arrays are not
-  supported on all of XLA's backends (CPU among them); the price is 1.125-1.25 bytes per
-  weight instead of 0.56-0.625.
+  Q4_0 (``d * (q - 8)``), Q4_1 (``d * q + m``) and Q4_K (``d * sc * q - dmin * m`` per
+  32 of a 256-value super-block) are all int8 values with block scales (float16 as stored;
+  float32 for Q4_K's products) and minimums, so no second rounding: the weight a matmul
+  sees is the one llama.cpp's dequantization gives. 4-bit values are held one per int8
+  rather than packed two per byte: every backend's dot takes int8 operands, while int4
+  arrays are not supported on all of XLA's backends (CPU among them); the price is
+  1.06-1.25 bytes per weight instead of 0.56-0.75. Q6_K (blocks of 16) and other types
+  are requantized per channel.
 
 Embeddings and the LM head stay in ``dtype`` / ``weight_dtype``: the lookup reads a few
 rows, and the head's logits are where rounding shows first.
@@ -36,7 +38,8 @@ import numpy as np
 
 QUANTIZATIONS = ("int8",)
 GGUF_BLOCK = 32  # elements per block of the GGUF types kept as blocks
-GGUF_NATIVE = ("Q8_0", "Q4_0", "Q4_1")  # GGUF types held as their own int8 blocks
+GGUF_NATIVE = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")  # GGUF types held as their own int8 blocks
+GGUF_ROW_MULTIPLE = {"Q4_K": 256}  # a row of a K-quant is whole super-blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +67,9 @@ def per_channel_layout(k: int) -> Layout:
 
 
 def gguf_layout(qtype: str) -> Layout:
-    return Layout(GGUF_BLOCK, offset=qtype == "Q4_1", scale_dtype="float16", source=f"{qtype} blocks")
+    # Q4_K's scales are products (a float16 super-block scale times a 6-bit one): float32.
+    scale_dtype = "float32" if qtype == "Q4_K" else "float16"
+    return Layout(GGUF_BLOCK, offset=qtype in ("Q4_1", "Q4_K"), scale_dtype=scale_dtype, source=f"{qtype} blocks")
 
 
 def quantize_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -84,12 +89,15 @@ def gguf_blocks(data: np.ndarray, qtype: str, rows: int, k: int) -> tuple[np.nda
     Block formats (ggml): Q8_0 is ``d`` (float16) then 32 int8 values; Q4_0 ``d`` then 16
     bytes, element ``i`` in the low nibble of byte ``i`` and element ``16 + i`` in its high
     nibble, value ``nibble - 8``; Q4_1 ``d``, ``m`` (float16), then the same nibbles,
-    value ``d * nibble + m``.
+    value ``d * nibble + m``. Q4_K: :func:`_q4_k_blocks`.
     """
     if qtype not in GGUF_NATIVE:
         raise ValueError(f"GGUF type {qtype} has no int8 block form (kept: {', '.join(GGUF_NATIVE)})")
-    if k % GGUF_BLOCK:
-        raise ValueError(f"a row of {k} is not a whole number of {GGUF_BLOCK}-element blocks")
+    multiple = GGUF_ROW_MULTIPLE.get(qtype, GGUF_BLOCK)
+    if k % multiple:
+        raise ValueError(f"a row of {k} is not a whole number of {multiple}-element blocks")
+    if qtype == "Q4_K":
+        return _q4_k_blocks(np.ascontiguousarray(data).view(np.uint8).reshape(rows, k // 256, 144), rows, k)
     head = 4 if qtype == "Q4_1" else 2  # bytes of float16 fields before the values
     size = head + (GGUF_BLOCK if qtype == "Q8_0" else GGUF_BLOCK // 2)
     blocks = np.ascontiguousarray(data).view(np.uint8).reshape(rows, k // GGUF_BLOCK, size)
@@ -103,6 +111,30 @@ def gguf_blocks(data: np.ndarray, qtype: str, rows: int, k: int) -> tuple[np.nda
         if qtype == "Q4_0":
             q -= 8
     return q.reshape(rows, k), scale, offset
+
+
+def _q4_k_blocks(blocks: np.ndarray, rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks (144 bytes: ``d``, ``dmin`` float16, 12 bytes of 6-bit scales and
+    minimums for its 8 blocks of 32, 128 bytes of nibbles) as int8 values, float32 scales
+    ``d * sc`` and offsets ``-(dmin * m)``: ``value = nibble * scale + offset``, the two
+    roundings of ggml's ``d * sc * nibble - dmin * m``.
+
+    The 12 bytes hold, for blocks 0-3, the low 6 bits of scale (bytes 0-3) and minimum
+    (bytes 4-7); for blocks 4-7, the low 4 bits in bytes 8-11 (scale low nibble, minimum
+    high nibble) and the top 2 bits in the top 2 bits of bytes 0-3 (scale) and 4-7
+    (minimum). Nibbles: 4 runs of 32 bytes, block 2j in a run's low nibbles, 2j + 1 in its
+    high ones.
+    """
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    lo, mid, top = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
+    sc = np.concatenate([lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)], axis=-1)
+    scale = d[..., None] * sc.astype(np.float32)  # [rows, super-blocks, 8]
+    offset = -(dmin[..., None] * mins.astype(np.float32))
+    runs = blocks[..., 16:].reshape(rows, k // 256, 4, 1, 32)
+    q = ((runs >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F).astype(np.int8)
+    return q.reshape(rows, k), scale.reshape(rows, k // 32), offset.reshape(rows, k // 32)
 
 
 def dequantize(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None = None) -> np.ndarray:
