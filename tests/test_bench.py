@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jaxserve.cli import main
@@ -75,6 +76,36 @@ def test_bench_workloads_report_metrics(addr, tmp_path, capsys, workload, extra)
         assert s["prefix_cache_hit_rate"] > 0.3
     if workload == "long-prompt-interference":
         assert report["steady"]["requests"] == 2 and report["long"]["requests"] >= 1
+
+
+def _png(path) -> np.ndarray:
+    """The picture, opened: 1000 x 400 pixels (10 x 4 inches at 100 dpi), not blank."""
+    import matplotlib.image
+
+    image = matplotlib.image.imread(str(path))
+    assert image.shape[:2] == (400, 1000), image.shape
+    assert path.stat().st_size > 10_000 and image[..., :3].std() > 0.05
+    return image
+
+
+def test_a_concurrency_sweep_reports_each_load_and_plots_it(addr, tmp_path, capsys):
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    args = ["bench", "serve", "--server", addr, "--vocab", "320", "--num-requests", "8", "--output-len", "4:8"]
+    assert main([*args, "--concurrency", "1,4", "--quiet", "--json", str(out), "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    assert report["axis"] == "concurrency" and [p["load"]["concurrency"] for p in report["points"]] == [1, 4]
+    assert all(p["all"]["requests"] == 8 and p["all"]["errors"] == 0 for p in report["points"])
+    printed = capsys.readouterr().out
+    assert printed.count("--- concurrency") == 2 and f"wrote {png}" in printed
+    _png(png)
+    # a compare run's bars, from the same reports
+    from jaxserve.bench import plot
+
+    bars = tmp_path / "compare.png"
+    plot.compare([(f"c={p['load']['concurrency']}", p["all"]) for p in report["points"]], "two loads", str(bars))
+    _png(bars)
+    assert main([*args, "--concurrency", "1,2", "--request-rate", "1,2"]) == 2
+    assert "sweep --concurrency or --request-rate, not both" in capsys.readouterr().err
 
 
 ROOT = Path(__file__).resolve().parent.parent

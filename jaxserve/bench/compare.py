@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jaxserve.bench import footer, parse_variant
+from jaxserve.bench import footer, parse_variant, plot
 from jaxserve.client import wait_until_serving
 from jaxserve.errors import ConfigError
 
@@ -77,6 +77,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--bench-args", default=None, help="arguments for jaxserve bench serve (overrides the preset's)")
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for every variant")
     ap.add_argument("--startup-timeout", type=float, default=900)
+    ap.add_argument("--plot", default=None, help="the variants side by side as a PNG here (matplotlib)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -108,4 +109,8 @@ def main(args: argparse.Namespace) -> int:
             f"{s['ttft_s']['p50'] * 1e3:12.1f} {rep['all']['total_throughput']:12.1f} {rep['all']['prefix_cache_hit_rate']:9.1%} {ratio:9.2f}x"
         )
     footer(args)
+    if args.plot:
+        rows = [(name, rep[section]) for name, rep in reports.items()]
+        plot.compare(rows, f"jaxserve bench compare {args.preset} ({section} requests)", args.plot)
+        print(f"wrote {args.plot}")
     return 0

@@ -7,26 +7,32 @@ Workloads (token-id prompts, EOS ignored so output lengths are exact):
   long-prompt-interference  steady decode streams plus a long prompt every --interval seconds;
                             ITL is reported for the steady streams alone
   multi-turn                conversations that resend their history each turn
-Load: a fixed --concurrency, or Poisson arrivals at --request-rate (requests/s).
+Load: a fixed --concurrency, or Poisson arrivals at --request-rate (requests/s); a list of
+either (``--concurrency 1,4,16``) sweeps it, one run per value (each with its own prompts,
+so the prefix cache does not carry one run into the next).
 Reports TTFT, inter-token latency, TPOT and end-to-end latency (p50/p90/p99), output and
-total throughput, prefix-cache hit rate; prints a table and writes JSON with --json.
+total throughput, prefix-cache hit rate; prints a table, writes JSON with --json and a
+picture with --plot (a sweep: curves against load).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import functools
 import json
 import random
+import sys
 import time
 
 import grpc
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.bench import footer, span
+from jaxserve.bench import footer, plot, span
 from jaxserve.client import build_request
+from jaxserve.errors import ConfigError
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
 
 WORKLOADS = ("random", "shared-prefix", "long-prompt-interference", "multi-turn")
@@ -104,6 +110,7 @@ def summarize(results: list[Result], seconds: float, tag: str | None = None) -> 
 
 
 async def run_bench(args) -> dict:
+    """One run at one load: ``args.concurrency`` an int, ``args.request_rate`` a float."""
     rng = random.Random(args.seed)
     vocab = args.vocab
     (in_lo, in_hi), (out_lo, out_hi) = args.input_len, args.output_len
@@ -183,8 +190,9 @@ async def run_bench(args) -> dict:
 
 def print_report(report: dict) -> None:
     print(f"workload {report['workload']} against {report['server']}")
-    for name, s in report.items():
-        if not isinstance(s, dict):
+    for name in ("all", "steady", "long"):
+        s = report.get(name)
+        if s is None:
             continue
         print(
             f"[{name}] {s['requests']} requests ({s['errors']} errors) in {s['seconds']:.1f}s: "
@@ -199,12 +207,34 @@ def print_report(report: dict) -> None:
             )
 
 
+def _values(kind):
+    """``1,4,16`` -> [1, 4, 16] (argparse type)."""
+
+    def parse(text: str) -> list:
+        try:
+            values = [kind(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {kind.__name__}s separated by commas") from None
+        if any(v < 0 for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: values must be >= 0")
+        return values
+
+    return parse
+
+
 def add_arguments(p) -> None:
     p.add_argument("--server", default="127.0.0.1:50051")
     p.add_argument("--workload", choices=WORKLOADS, default="random")
     p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=16, help="requests in flight at most")
-    p.add_argument("--request-rate", type=float, default=0.0, help="Poisson arrivals per second (0 = all at once)")
+    p.add_argument(
+        "--concurrency", type=_values(int), default=[16], help="requests in flight at most; a list sweeps it"
+    )
+    p.add_argument(
+        "--request-rate",
+        type=_values(float),
+        default=[0.0],
+        help="Poisson arrivals per second (0 = all at once); a list sweeps it",
+    )
     p.add_argument("--input-len", type=span, default="100:300", help="prompt length range LO:HI")
     p.add_argument("--output-len", type=span, default="16:128", help="output length range LO:HI")
     p.add_argument("--groups", type=int, default=8, help="shared-prefix: system prompts")
@@ -218,14 +248,55 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--plot", default=None, help="a sweep's curves as a PNG here (matplotlib)")
     p.add_argument("--quiet", action="store_true")
 
 
+def sweep_axis(args) -> tuple[str, list]:
+    """(the swept option, its values); a single run is a sweep of one."""
+    if len(args.concurrency) > 1 and len(args.request_rate) > 1:
+        raise ConfigError("sweep --concurrency or --request-rate, not both")
+    if len(args.request_rate) > 1:
+        return "request rate (requests / s)", args.request_rate
+    return "concurrency", args.concurrency
+
+
+def run_sweep(args) -> dict:
+    """One run per load value; each its own seed (fresh prompts)."""
+    axis, values = sweep_axis(args)
+    points = []
+    for i, value in enumerate(values):
+        one = argparse.Namespace(**vars(args))
+        one.seed = args.seed + i
+        one.concurrency = value if axis == "concurrency" else args.concurrency[0]
+        one.request_rate = value if axis != "concurrency" else args.request_rate[0]
+        if one.concurrency < 1:
+            raise ConfigError(f"--concurrency {one.concurrency}: must be >= 1")
+        report = asyncio.run(run_bench(one))
+        report["load"] = {"concurrency": one.concurrency, "request_rate": one.request_rate}
+        points.append(report)
+    return {"axis": axis, "points": points}
+
+
 def main(args) -> int:
-    report = asyncio.run(run_bench(args))
-    print_report(report)
+    try:
+        sweep = run_sweep(args)
+    except ConfigError as e:
+        print(f"jaxserve: error: {e}", file=sys.stderr)
+        return 2
+    axis = sweep["axis"]
+    for report in sweep["points"]:
+        load = report["load"]
+        print(f"--- concurrency {load['concurrency']}, request rate {load['request_rate'] or 'all at once'}")
+        print_report(report)
     footer(args)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    return 0 if report["all"]["errors"] == 0 else 1
+            json.dump(sweep if len(sweep["points"]) > 1 else sweep["points"][0], f, indent=2)
+    if args.plot:
+        key = "concurrency" if axis == "concurrency" else "request_rate"
+        points = [(r["load"][key], r["all"]) for r in sweep["points"]]
+        first = sweep["points"][0]
+        plot.sweep(points, axis, f"jaxserve bench serve, {first['workload']} workload, {first['server']}", args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if all(r["all"]["errors"] == 0 for r in sweep["points"]) else 1
