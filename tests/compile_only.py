@@ -8,7 +8,9 @@ libtpu (v5p).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 from pathlib import Path
 
 import jax
@@ -118,7 +120,11 @@ def compile_every_bucket(compiler: aot.StepCompiler) -> tuple[list, list]:
     the largest token history: compiling each would add ~1 min to CI for no new rule;
     `jaxserve compile` reports every one)."""
     pairs = compiler.plan.runner.bucket_pairs
-    forwards = [compiler.compile_forward(*pair) for pair in pairs]
+    # Lowering (Python, MLIR, the Pallas kernels) one program at a time; XLA's compiles, which
+    # release the GIL, one per core at a time (lowering in threads crashes Mosaic's lowering).
+    lowered = [compiler.lower_forward(*pair) for pair in pairs]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        forwards = list(pool.map(aot.Compiled.of_lowered, lowered))
     seqs = sorted({s for _, s in pairs})
     samplers = [compiler.compile_sample(s) for s in seqs] + [compiler.compile_sample(seqs[-1], penalties=True)]
     return forwards, samplers

@@ -122,19 +122,22 @@ def _shapes(cfg):
 
 
 @pytest.fixture(scope="module")
-def smollm2_float_dir(smollm2_hf, tmp_path_factory):
-    """SmolLM2's dequantized weights as a Hugging Face directory (float32 safetensors)."""
-    import copy
+def smollm2_float_dir(smollm2_path, smollm2_hf, tmp_path_factory):
+    """SmolLM2's dequantized weights as a Hugging Face directory (float32 safetensors, our
+    own GGUF reads under their Hugging Face names; config and tokenizer from transformers)."""
+    import json
 
-    from transformers import AutoModelForCausalLM
+    from safetensors.numpy import save_file
+
+    from jaxserve.models.checkpoint import open_checkpoint
 
     model, tok = smollm2_hf
-    config = copy.deepcopy(model.config)
-    del config.quantization_config  # transformers refuses to save a model it loaded from GGUF
-    plain = AutoModelForCausalLM.from_config(config)
-    plain.load_state_dict(model.state_dict())
     path = tmp_path_factory.mktemp("smollm2-hf")
-    plain.save_pretrained(path)
+    ckpt = open_checkpoint(smollm2_path)
+    save_file({name: np.ascontiguousarray(w) for name, w in ckpt.tensors()}, str(path / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (path / "config.json").write_text(json.dumps(config))
     tok.save_pretrained(path)
     return path
 

@@ -6,7 +6,8 @@ interpret mode never applies are enforced on every change. No TPU is needed.
   v5e, v6e and v5p;
 - the engine's whole step (model, KV write, attention, sampler) for every bucket pair of
   the shipped TPU configs, weights abstract and sharded over the config's mesh;
-- ``jaxserve compile`` prints its table, and refuses a config that cannot fit.
+- ``jaxserve compile`` refuses a config that cannot fit (its table: tests/test_docs.py, which
+  runs the TPU VM guide's dry runs).
 """
 
 from __future__ import annotations
@@ -100,10 +101,9 @@ def test_int8_llama3_8b_fits_one_v5e_chip():
     weights = aot.Workload.of(compiler).weight_bytes
     assert 9.0e9 < weights < 9.2e9, weights
     aot.check_fits(compiler, weights)
-    for tokens, seqs in ((64, 8), (512, 64)):
-        c = compiler.compile_forward(tokens, seqs)
-        assert c.peak_bytes < compiler.target.chip.hbm_bytes, (tokens, seqs, c.peak_bytes)
-        assert c.temp_bytes < 60e6, (tokens, seqs, c.temp_bytes)
+    c = compiler.compile_forward(512, 64)  # the largest bucket pair
+    assert c.peak_bytes < compiler.target.chip.hbm_bytes, c.peak_bytes
+    assert c.temp_bytes < 60e6, c.temp_bytes  # 7.5 MB; 125 MB with the widened weights in memory
     bf16 = config_compiler("llama3-8b-tpu-v5e.yaml", "v5e:2x2", overrides=("mesh.model=1", "kv_cache_memory_gb=5"))
     with pytest.raises(ConfigError, match="does not fit"):
         aot.check_fits(bf16, aot.Workload.of(bf16).weight_bytes)
@@ -126,17 +126,6 @@ def test_the_lm_head_is_never_gathered():
 def _compile_cli(*extra) -> list[str]:
     config = str(ROOT / "configs" / "llama3-8b-tpu-v5e.yaml")
     return ["compile", "--config", config, "--topology", "v5e:2x2", "--arch", "llama3-8b", *extra]
-
-
-def test_jaxserve_compile_prints_the_table(capsys):
-    from jaxserve.cli import main
-
-    assert main(_compile_cli("--bucket", "64:8")) == 0
-    out = capsys.readouterr().out
-    assert re.search(r"^\s+64\s+8\s+[\d.]+\s+[\d.]+\s+17\.20 ", out, re.M), out
-    assert re.search(r"^sample\s+8 ", out, re.M) and re.search(r"^\s*\+pen\s+8 ", out, re.M), out
-    assert "sequences that fit at max_model_len 8192: 31" in out
-    assert re.search(r"decode roofline, 64 sequences at context 1024: [\d.]+ ms per step, [\d,]+ tokens/s", out)
 
 
 def test_jaxserve_compile_refuses_a_config_that_cannot_fit(capsys):

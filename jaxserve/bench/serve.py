@@ -296,7 +296,8 @@ def main(args) -> int:
     if args.plot:
         key = "concurrency" if axis == "concurrency" else "request_rate"
         points = [(r["load"][key], r["all"]) for r in sweep["points"]]
-        first = sweep["points"][0]
-        plot.sweep(points, axis, f"jaxserve bench serve, {first['workload']} workload, {first['server']}", args.plot)
+        (in_lo, in_hi), (out_lo, out_hi) = args.input_len, args.output_len
+        title = f"jaxserve bench serve: {args.workload}, prompts {in_lo}-{in_hi} tokens, {out_lo}-{out_hi} out"
+        plot.sweep(points, axis, title, args.plot)
         print(f"wrote {args.plot}")
     return 0 if all(r["all"]["errors"] == 0 for r in sweep["points"]) else 1
