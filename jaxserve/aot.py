@@ -157,14 +157,8 @@ class Compiled:
 
     @classmethod
     def of(cls, jitted, *args) -> Compiled:
-        return cls.of_lowered(jitted.lower(*args))
-
-    @classmethod
-    def of_lowered(cls, lowered) -> Compiled:
-        """Compiles a lowered program (callers may compile several at once, on threads:
-        XLA's compile releases the GIL; lowering does not, and is not thread-safe)."""
         t0 = time.perf_counter()
-        compiled = lowered.compile()
+        compiled = jitted.lower(*args).compile()
         seconds = time.perf_counter() - t0
         mem = compiled.memory_analysis()
         cost = compiled.cost_analysis() or {}  # None on the GPU path
@@ -217,15 +211,11 @@ class StepCompiler:
         _, inputs = step_inputs(cfg, bucket_seqs(cfg, tokens, seqs), greedy(seqs, penalties))
         return jax.tree.map(lambda x: _abstract(x, self.replicated), inputs)
 
-    def lower_forward(self, tokens: int, seqs: int):
-        """The model half of the step for bucket (tokens, seqs), lowered (not compiled)."""
-        md, feed_rows, *_ = self._inputs(tokens, seqs)
-        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-            return self._forward.lower(self.state, self.kv_cache, md, feed_rows, self.feed_tokens)
-
     def compile_forward(self, tokens: int, seqs: int) -> Compiled:
         """The model half of the step for bucket (tokens, seqs)."""
-        return Compiled.of_lowered(self.lower_forward(tokens, seqs))
+        md, feed_rows, *_ = self._inputs(tokens, seqs)
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            return Compiled.of(self._forward, self.state, self.kv_cache, md, feed_rows, self.feed_tokens)
 
     def compile_sample(self, seqs: int, penalties: bool = False) -> Compiled:
         """The sampler for sequence bucket ``seqs`` (the penalised variant if asked)."""
