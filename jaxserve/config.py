@@ -29,6 +29,7 @@ from jaxserve.parallel.multihost import DistributedConfig
 MATMUL_BACKENDS = ("auto", "xla", "onednn")
 
 DTYPES = ("float32", "bfloat16", "float16")
+KV_QUANT_DTYPES = ("int8", "float8_e4m3fn")  # 8-bit KV caches (with per-token scales)
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}
 
 
@@ -142,8 +143,10 @@ class EngineConfig:
     )
     kv_cache_dtype: str | None = option(
         None,
-        "Storage dtype of the KV cache (null: dtype); attention widens it to float32. auto: as weight_dtype.",
-        one_of(*DTYPES, "auto"),
+        "Storage dtype of the KV cache (null: dtype); attention widens it to float32. auto: as weight_dtype. "
+        "int8 / float8_e4m3fn: 8-bit values with a float32 scale per token and KV head (max |x| / 127, or / 448), "
+        "about half of bfloat16's bytes (attention_backend reference, cpu and pallas_gpu; not pallas_tpu yet).",
+        one_of(*DTYPES, *KV_QUANT_DTYPES, "auto"),
     )
     page_size: int = option(16, "Tokens per KV page.", one_of(8, 16, 32, 64, 128))
     num_pages: int | None = option(

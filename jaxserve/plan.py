@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.attention import AttentionBackend
@@ -111,8 +110,7 @@ def _kv_bytes_per_page(
     backend: AttentionBackend, mcfg: ModelConfig, page_size: int, kv_heads: int, kv_dtype: str, mesh_cfg: MeshConfig
 ) -> int:
     # A device holds 1/model of every page (its share of the KV heads).
-    itemsize = jnp.dtype(kv_dtype).itemsize
-    return backend.kv_bytes_per_page(mcfg.num_layers, page_size, kv_heads, mcfg.head_dim, itemsize) // mesh_cfg.model
+    return backend.kv_bytes_per_page(mcfg.num_layers, page_size, kv_heads, mcfg.head_dim, kv_dtype) // mesh_cfg.model
 
 
 def device_free_bytes(device) -> int | None:
@@ -192,6 +190,11 @@ def resolve_plan(
                 f"{', '.join(cpu_attention.KV_DTYPES)}; use attention_backend: reference for {kv_dtype}"
             )
         backend = AttentionBackend.resolve("reference", page_size=cfg.page_size, mesh=mesh, platform=platform)
+    if not backend.reads_kv_dtype(kv_dtype):
+        raise ConfigError(
+            f"kv_cache_dtype = {kv_dtype!r}: attention_backend {backend.name!r} does not read 8-bit caches yet "
+            f"(attention_backend reference, cpu and pallas_gpu do); use kv_cache_dtype bfloat16 or float32 here"
+        )
     num_pages = cfg.num_pages
     if num_pages is None:  # kv_cache_memory_gb is per device (finite and > 0: EngineConfig checks)
         budget = cfg.kv_cache_memory_gb * 2**30

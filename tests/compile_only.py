@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve import aot
 from jaxserve.server.config import load_run_config
 from pallas_kernels.ragged_paged_attention import BlockSizes
+from pallas_kernels.ragged_paged_attention.common import QuantizedKV, is_quantized
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,6 +45,15 @@ KERNEL_SHAPES = [
 ]
 
 
+# 8-bit caches (a bfloat16 model around them): the kernels that read them (GPU so far).
+KV8_SHAPES = [
+    ("gqa4-d128-p16-int8-mixed", 32, 8, 128, 16, jnp.int8, 512, 64, 0),
+    ("gqa1-d64-p32-int8-decode-window", 8, 8, 64, 32, jnp.int8, 64, 64, 1024),
+    ("gqa8-d256-p64-fp8-mixed", 64, 8, 256, 64, jnp.float8_e4m3fn, 256, 32, 0),
+    ("gqa4-d128-p128-fp8-decode", 32, 8, 128, 128, jnp.float8_e4m3fn, 64, 64, 0),
+]
+
+
 def on_first_device(target):
     """(sharding, abstract mesh) of the target's first device."""
     mesh = Mesh(np.asarray(target.devices[:1]).reshape(1), ("x",))
@@ -51,9 +61,19 @@ def on_first_device(target):
 
 
 def compile_fn(fn, target, *shapes_dtypes):
-    """Compiles ``fn`` for abstract arguments of the given (shape, dtype) on the target."""
+    """Compiles ``fn`` for abstract arguments of the given (shape, dtype) on the target; an
+    8-bit dtype's cache shape becomes an abstract ``QuantizedKV`` (values and scales)."""
     sharding, abstract_mesh = on_first_device(target)
-    args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes_dtypes]
+
+    def abstract(s, d):
+        if is_quantized(d):
+            return QuantizedKV(
+                jax.ShapeDtypeStruct(s, d, sharding=sharding),
+                jax.ShapeDtypeStruct(s[:-1], jnp.float32, sharding=sharding),
+            )
+        return jax.ShapeDtypeStruct(s, d, sharding=sharding)
+
+    args = [abstract(s, jnp.dtype(d)) for s, d in shapes_dtypes]
     with jax.sharding.use_abstract_mesh(abstract_mesh):
         return jax.jit(fn).lower(*args).compile()
 
@@ -62,6 +82,7 @@ def compile_kernels(kernel, target, shape) -> None:
     """The KV write then ragged paged attention of ``kernel`` (tpu / gpu module) at one
     row of ``KERNEL_SHAPES``, with the block sizes the engine uses."""
     _, hq, hkv, head_dim, page_size, dtype, tokens, seqs, window = shape
+    kv_dtype, dtype = dtype, jnp.bfloat16 if is_quantized(dtype) else dtype  # 8-bit: a bfloat16 model
     pages_per_seq = 8192 // page_size
     cache = kernel.get_kv_cache_shape(2, seqs * pages_per_seq // 4 + 1, page_size, hkv, head_dim)
     sizes = BlockSizes(block_q=16, block_pages=max(1, 128 // page_size))
@@ -80,7 +101,7 @@ def compile_kernels(kernel, target, shape) -> None:
         ((tokens, hq, head_dim), dtype),
         ((tokens, hkv, head_dim), dtype),
         ((tokens, hkv, head_dim), dtype),
-        (cache, dtype),
+        (cache, kv_dtype),
         ((tokens,), i32),
         ((seqs,), i32),
         ((seqs, pages_per_seq), i32),
@@ -93,10 +114,10 @@ def _target(topology: str):
     return aot.target(topology)
 
 
-def kernel_failures(kernel, topology: str) -> dict:
-    """Compiles every row of KERNEL_SHAPES; returns {row name: first error line} of failures."""
+def kernel_failures(kernel, topology: str, shapes=KERNEL_SHAPES) -> dict:
+    """Compiles every row of ``shapes``; returns {row name: first error line} of failures."""
     failed = {}
-    for shape in KERNEL_SHAPES:
+    for shape in shapes:
         try:
             compile_kernels(kernel, _target(topology), shape)
         except Exception as e:  # noqa: BLE001 - collected: every failing shape is reported

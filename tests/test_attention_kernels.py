@@ -229,8 +229,11 @@ def _check_kernel(mod, c: Case, window, block_sizes, *, atol, rtol):
     np.testing.assert_array_equal(cache[:, :, 1:].astype(np.float32), ref_cache[:, :, 1:].astype(np.float32))
 
 
+# Interpret mode is slow (~2 s a case): the Pallas kernels get the batches that hold both
+# decodes and chunks. Decode-only and prefill-only steps differ only in which plan the
+# shared wrapper skips (common.attend_by_plan), checked on the reference and the C++ kernel.
 @pytest.mark.parametrize("kernel", list(KERNELS))
-@pytest.mark.parametrize("case", list(KERNEL_CASES))
+@pytest.mark.parametrize("case", ["mixed", "random"])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, page_size", KERNEL_SHAPES)
 def test_kernel_matches_reference(kernel, case, num_heads, num_kv_heads, head_dim, page_size):
     mod = KERNELS[kernel]
@@ -366,7 +369,7 @@ def test_cpu_kernel_token_is_bitwise_independent_of_its_batch(dtype, page_size):
 def test_cpu_kernel_rejects_bad_inputs_by_name():
     c = make_case([(1, 5)], 4, 2, 64, page_size=16)
     args = (c.kv_lens, c.page_table, c.query_start_loc)
-    with pytest.raises(ValueError, match="float32 or uint16"):
+    with pytest.raises(ValueError, match="float32, uint16"):
         cpu.ragged_paged_attention(c.q, c.kv_cache.astype(np.float16), 1, *args, sm_scale=1.0)
     with pytest.raises(ValueError, match="q has 3 heads"):
         cpu.ragged_paged_attention(c.q[:, :3], c.kv_cache, 1, *args, sm_scale=1.0)

@@ -14,6 +14,7 @@ pytest.importorskip("jax_plugins.xla_cuda12", reason="compile-only GPU checks ne
 from jaxserve import aot  # noqa: E402
 from pallas_kernels.ragged_paged_attention import gpu  # noqa: E402
 from tests.compile_only import (  # noqa: E402
+    KV8_SHAPES,
     check_step_reports,
     compile_every_bucket,
     compile_kernels,
@@ -29,6 +30,12 @@ def h200():
 
 def test_gpu_kernels_compile_over_the_shape_table(h200):
     assert not kernel_failures(gpu, "h200")
+
+
+def test_gpu_kernels_read_8bit_caches(h200):
+    """int8 and float8_e4m3fn caches with their scales: the KV write (values and scales in
+    one aliased call) and both attention kernels compile for H200."""
+    assert not kernel_failures(gpu, "h200", KV8_SHAPES)
 
 
 def test_the_check_catches_a_kernel_triton_rejects(h200):

@@ -21,7 +21,6 @@ is how CI checks them. Each backend owns its KV layout (``kv_cache_shape``).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.parallel import MODEL
 from pallas_kernels.ragged_paged_attention import BlockSizes, cpu, gpu, reference, tpu
+from pallas_kernels.ragged_paged_attention.common import QuantizedKV, is_quantized, kv_cache_bytes, new_kv_cache
 
 BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu", "cpu")
 _KERNELS = {"pallas_tpu": tpu, "pallas_gpu": gpu, "cpu": cpu}
@@ -123,9 +123,19 @@ class AttentionBackend:
         """The array dtype holding a ``kv_dtype`` cache (the reference keeps bfloat16 as bits)."""
         return reference.storage_dtype(kv_dtype) if self.name in ("reference", "cpu") else jnp.dtype(kv_dtype)
 
-    def kv_bytes_per_page(self, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, itemsize: int):
-        """Bytes one page takes across all layers and heads, padding included."""
-        return math.prod(self.kv_cache_shape(num_layers, 2, page_size, num_kv_heads, head_dim)) // 2 * itemsize
+    def reads_kv_dtype(self, kv_dtype) -> bool:
+        """Whether this backend's kernels read a ``kv_dtype`` cache: 8-bit caches (int8,
+        float8_e4m3fn with per-token scales) all but the TPU kernels so far."""
+        return not is_quantized(kv_dtype) or self.name != "pallas_tpu"
+
+    def new_kv_cache(self, shape: tuple[int, ...], kv_dtype) -> jax.Array | QuantizedKV:
+        """A zeroed cache of ``shape`` (``kv_cache_shape``) holding ``kv_dtype``."""
+        return new_kv_cache(shape, self.kv_storage_dtype(kv_dtype))
+
+    def kv_bytes_per_page(self, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, kv_dtype):
+        """Bytes one page takes across all layers and heads, padding and scales included."""
+        shape = self.kv_cache_shape(num_layers, 2, page_size, num_kv_heads, head_dim)
+        return kv_cache_bytes(shape, self.kv_storage_dtype(kv_dtype)) // 2
 
     def write_kv(self, kv_cache, layer, slot_mapping, k, v):
         if self.name == "reference":

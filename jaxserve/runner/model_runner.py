@@ -251,7 +251,8 @@ def make_sample(max_num_seqs: int, mesh=None):
 
 
 def copy_pages(kv_cache, src, dst):
-    return kv_cache.at[:, :, dst].set(kv_cache[:, :, src])  # every layer and head
+    # Every layer and head; an 8-bit cache's scales with its values (both page-indexed).
+    return jax.tree.map(lambda x: x.at[:, :, dst].set(x[:, :, src]), kv_cache)
 
 
 class ModelRunner:
@@ -262,7 +263,7 @@ class ModelRunner:
         self.vocab_size = mcfg.vocab_size
         self.graphdef, self.state = nnx.split(model)
         # The activation dtype (weights may be narrower), unless kv_cache_dtype says otherwise.
-        dtype = cfg.attention_backend.kv_storage_dtype(cfg.kv_cache_dtype or model.norm[...].dtype)
+        kv_dtype = cfg.kv_cache_dtype or model.norm[...].dtype
         shape = cfg.attention_backend.kv_cache_shape(
             mcfg.num_layers, cfg.num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim
         )
@@ -273,10 +274,13 @@ class ModelRunner:
         # Cumulative, for profiles: packing + sending a step (dispatch), waiting for it (fetch).
         self.timings = {"pack_s": 0.0, "device_s": 0.0}
         self.input_bytes = 0  # cumulative bytes of step inputs sent to the device
+        backend = cfg.attention_backend
         if mesh is None:
-            self._new_kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype))
+            self._new_kv_cache = jax.jit(lambda: backend.new_kv_cache(shape, kv_dtype))
         else:  # allocated in place on every device: each holds its KV heads of every page
-            self._new_kv_cache = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_sharding(mesh))
+            self._new_kv_cache = jax.jit(
+                lambda: backend.new_kv_cache(shape, kv_dtype), out_shardings=kv_cache_sharding(mesh)
+            )
         self.kv_cache = self._new_kv_cache()
         self.token_buckets, self.seq_buckets = cfg.buckets
         self._forward = jax.jit(make_forward(self.graphdef, cfg.attention_backend), donate_argnums=(1,))
@@ -371,12 +375,13 @@ class ModelRunner:
     @property
     def kv_cache_lost(self) -> bool:
         """True when a step failed after the cache was donated to it: its contents are gone."""
-        return self.kv_cache.is_deleted()
+        return any(x.is_deleted() for x in jax.tree.leaves(self.kv_cache))
 
     def reset_kv_cache(self) -> None:
-        """A fresh, zeroed KV cache (after ``kv_cache_lost``; the old buffer is released)."""
-        if not self.kv_cache.is_deleted():
-            self.kv_cache.delete()
+        """A fresh, zeroed KV cache (after ``kv_cache_lost``; the old buffers are released)."""
+        for x in jax.tree.leaves(self.kv_cache):
+            if not x.is_deleted():
+                x.delete()
         self.kv_cache = self._new_kv_cache()
         self._feed_tokens = self._no_feed  # the failed step's samples may never come
 
@@ -460,7 +465,7 @@ class ModelRunner:
             # An array placed as the model's output will be: jit keys a call by its arguments'
             # placement, committed to devices (under a mesh) or not (one device).
             zeros = np.zeros(out.shape, out.dtype)
-            logits[s] = jax.device_put(zeros, out.sharding if self.kv_cache.committed else None)
+            logits[s] = jax.device_put(zeros, out.sharding if jax.tree.leaves(self.kv_cache)[0].committed else None)
             bar.update()
         for s in seq_buckets:
             for penalties in (False, True):

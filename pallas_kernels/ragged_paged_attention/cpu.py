@@ -4,7 +4,8 @@ XLA's FFI, for the decode and prefill attention that XLA:CPU runs slowly in pure
 Performance section).
 
 Same contract and KV layout as ``reference.py``; the KV write is the reference's XLA
-scatter, and a bfloat16 cache is held as its bits (``reference.storage_dtype``).
+scatter, a bfloat16 cache is held as its bits (``reference.storage_dtype``), and an
+8-bit cache is a ``QuantizedKV`` whose rows the kernel widens times their scales.
 
 The kernel is compiled on first use (``pallas_kernels.cpu_build``: the machine's C++
 compiler, cached per source, flags, jaxlib and CPU). :func:`available` says whether that worked;
@@ -21,7 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_build
-from pallas_kernels.ragged_paged_attention.common import DEFAULT_BLOCK_SIZES, BlockSizes, check_attention_inputs
+from pallas_kernels.ragged_paged_attention.common import (
+    DEFAULT_BLOCK_SIZES,
+    BlockSizes,
+    QuantizedKV,
+    check_attention_inputs,
+)
 from pallas_kernels.ragged_paged_attention.reference import get_kv_cache_shape, ref_write_kv, storage_dtype
 
 __all__ = [
@@ -37,7 +43,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-KV_DTYPES = ("float32", "bfloat16")  # the cache dtypes the kernel reads (bfloat16 as bits)
+# The cache dtypes the kernel reads (bfloat16 as bits; 8-bit ones with their scales).
+KV_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn")
 TARGET = "jaxserve_ragged_paged_attention"
 
 
@@ -80,7 +87,7 @@ def write_kv(kv_cache, layer, slot_mapping, k, v, *, interpret: bool = False):
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    kv_cache: jax.Array,  # [2*Hkv, L, num_pages, page_size, D], float32 or uint16 (bfloat16 bits)
+    kv_cache: jax.Array | QuantizedKV,  # [2*Hkv, L, num_pages, page_size, D], float32, uint16 (bfloat16 bits), 8-bit
     layer: jax.Array,  # [] int32
     kv_lens: jax.Array,  # [S] int32
     page_table: jax.Array,  # [S, pages_per_seq] int32
@@ -95,15 +102,23 @@ def ragged_paged_attention(
     check_attention_inputs(q, kv_cache, kv_lens, page_table, query_start_loc)
     if kv_cache.shape[4] != q.shape[2]:
         raise ValueError(f"q head_dim {q.shape[2]} must equal the cache's head_dim {kv_cache.shape[4]}")
-    if kv_cache.dtype not in (jnp.float32, jnp.uint16):
-        raise ValueError(f"kv_cache must be float32 or uint16 (bfloat16 bits), got {kv_cache.dtype}")
+    if isinstance(kv_cache, QuantizedKV):
+        values, scales = kv_cache.values, kv_cache.scales
+    elif kv_cache.dtype in (jnp.float32, jnp.uint16):
+        values, scales = kv_cache, jnp.zeros((1,), jnp.float32)  # no scales to read
+    else:
+        raise ValueError(
+            f"kv_cache must be float32, uint16 (bfloat16 bits) or a QuantizedKV (int8, float8_e4m3fn), "
+            f"got {kv_cache.dtype}"
+        )
     ok, error = _build()
     if not ok:
         raise RuntimeError(error)
     i32 = jnp.int32
     out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32),
-        kv_cache,
+        values,
+        scales,
         jnp.asarray(layer, i32).reshape(()),
         kv_lens.astype(i32),
         page_table.astype(i32),

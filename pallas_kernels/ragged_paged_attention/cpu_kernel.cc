@@ -4,7 +4,9 @@
 // causal (optionally sliding-window) attention of each query token over its own
 // sequence's pages, in the shared head-major layout
 //
-//     kv_cache[2 * Hkv, L, num_pages, page_size, D]   (float32, or bfloat16 bits as uint16)
+//     kv_cache[2 * Hkv, L, num_pages, page_size, D]   (float32, or bfloat16 bits as uint16,
+//                                                       or int8 / float8_e4m3fn with
+//     scales[2 * Hkv, L, num_pages, page_size]         a float32 scale per token and head)
 //
 // Work is split into tiles of one sequence, one KV head and up to kRows query rows
 // (row = query token x query head sharing the KV head). For each tile, keys are taken in
@@ -38,6 +40,10 @@
 #include <utility>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include "pallas_kernels/cpu_amx.h"
 #include "pallas_kernels/cpu_threads.h"
 #include "xla/ffi/api/ffi.h"
@@ -52,6 +58,7 @@ constexpr int kRows = 64;   // query rows per tile (at most)
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 typedef uint16_t Bits16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t Bits32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 inline float ToFloat(float x) { return x; }
 inline float ToFloat(uint16_t bits) {  // bfloat16 bits -> float32, exact
@@ -60,6 +67,29 @@ inline float ToFloat(uint16_t bits) {  // bfloat16 bits -> float32, exact
   std::memcpy(&f, &b, sizeof f);
   return f;
 }
+
+// An 8-bit cache's element types; their rows are read as values * the row's scale.
+struct Fp8 {  // float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities
+  uint8_t bits;
+};
+template <typename T>
+constexpr bool kScaled = std::is_same_v<T, int8_t> || std::is_same_v<T, Fp8>;
+
+// Every float8_e4m3fn value as float32 (exact), indexed by its bits.
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      const float magnitude = e == 15 && m == 7 ? NAN : e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1 + m / 8.0f, e - 7);
+      value[b] = b & 128 ? -magnitude : magnitude;
+    }
+  }
+};
+const Fp8Table kFp8;
+
+inline float ToFloat(int8_t x) { return static_cast<float>(x); }
+inline float ToFloat(Fp8 x) { return kFp8.value[x.bits]; }
 
 // 16 consecutive values as float32 lanes.
 inline Lanes LoadLanes(const float* p) {
@@ -74,6 +104,38 @@ inline Lanes LoadLanes(const uint16_t* p) {
   Lanes v;
   std::memcpy(&v, &wide, sizeof v);
   return v;
+}
+// 8-bit values: with AVX-512 by its widening loads (GCC turns the generic vector
+// conversions below into one scalar insert per lane).
+inline Lanes LoadLanes(const int8_t* p) {
+#ifdef __AVX512F__
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  Lanes out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+#else
+  Lanes v;
+  for (int i = 0; i < kLanes; ++i) v[i] = p[i];
+  return v;
+#endif
+}
+// float8_e4m3fn's bits shifted into float16's exponent and mantissa fields are the same
+// value times 2^-8, subnormals included (both formats scale them alike): widened by the
+// CPU's half-precision conversion, then times 2^8 (exact). Never a NaN: the write clips.
+inline Lanes LoadLanes(const Fp8* p) {
+#ifdef __AVX512F__
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x80)), 8),
+                                       _mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x7f)), 7));
+  const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(bits)), _mm512_set1_ps(256.0f));
+  Lanes out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+#else
+  Lanes v;
+  for (int i = 0; i < kLanes; ++i) v[i] = kFp8.value[p[i].bits];
+  return v;
+#endif
 }
 
 // Sum of the lanes, always by the same tree: halves added lane-wise, 16 -> 8 -> 4 -> 2 -> 1.
@@ -94,7 +156,6 @@ inline float SumLanes(Lanes v) {
   return v2[0] + v2[1];
 }
 
-typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 // Largest lane (exact: a max does not round, so the order is free).
 inline float MaxLanes(Lanes v) {
@@ -134,6 +195,7 @@ JAXSERVE_FMA inline Lanes ExpNonPositive(Lanes x) {
 struct Problem {
   const float* q;          // [T, Hq, D]
   const void* kv;          // [2*Hkv, L, P, PS, D]
+  const float* scales;     // [2*Hkv, L, P, PS] for an 8-bit cache, else null
   int64_t num_tokens, num_heads, num_kv_heads, head_dim, num_pages, page_size, num_layers;
   int32_t layer, window;
   const int32_t* kv_lens;  // [S]
@@ -274,7 +336,8 @@ JAXSERVE_FMA inline void GroupValues(Lanes* acc, const float* const* p, const La
   }
 }
 
-// T: the cache's element type. C: head_dim / 16 when the dispatch knows it (1, 2, 4, 8),
+// T: the cache's element type (an 8-bit one's rows are widened times their scales). C:
+// head_dim / 16 when the dispatch knows it (1, 2, 4, 8),
 // so a K or V row lives in registers; 0 for any other head_dim (zero-padded chunks).
 //
 // Keys are taken in groups of 16 positions starting at multiples of 16, widened to
@@ -364,10 +427,14 @@ class TileRunner {
  private:
   // The K (plane < Hkv) or V rows of the index-th page of sequence seq.
   const T* Page(int32_t seq, int64_t plane, int32_t index) const {
+    return static_cast<const T*>(pb_.kv) + PageRow(seq, plane, index) * pb_.head_dim;
+  }
+
+  // The cache row (a row of head_dim values; a scale's index) of the index-th page's first slot.
+  int64_t PageRow(int32_t seq, int64_t plane, int32_t index) const {
     const Problem& pb = pb_;
     const int64_t page = pb.page_table[seq * pb.pages_per_seq + index];
-    const int64_t row = ((plane * pb.num_layers + pb.layer) * pb.num_pages + page) * pb.page_size;
-    return static_cast<const T*>(pb.kv) + row * pb.head_dim;
+    return ((plane * pb.num_layers + pb.layer) * pb.num_pages + page) * pb.page_size;
   }
 
   static constexpr int kAhead = 4;  // groups fetched ahead of the one being read
@@ -402,6 +469,10 @@ class TileRunner {
       } else {
         float* f = reinterpret_cast<float*>(dst);
         for (int64_t d = 0; d < chunks * kLanes; ++d) f[d] = d < D ? ToFloat(x[d]) : 0.0f;
+      }
+      if constexpr (kScaled<T>) {
+        const float scale = pb.scales[PageRow(seq, plane, position / pb.page_size) + position % pb.page_size];
+        for (int64_t c = 0; c < chunks; ++c) dst[c] *= scale;
       }
     }
   }
@@ -740,7 +811,7 @@ bool AttentionUsesAmx() {
 struct Work {
   Problem pb;
   std::vector<Tile> tiles;
-  bool bits = false;
+  ffi::DataType kind = ffi::DataType::F32;  // the cache's element type
   bool amx = false;  // AmxTileRunner's tiles (a bfloat16 cache, head_dim % 32 == 0, AMX usable)
   std::atomic<size_t> next{0};  // the next tile to take
 };
@@ -772,10 +843,16 @@ void Drain(Work& work) {
     return;
   }
 #endif
-  work.bits ? DrainAs<uint16_t>(work) : DrainAs<float>(work);
+  switch (work.kind) {
+    case ffi::DataType::U16: return DrainAs<uint16_t>(work);
+    case ffi::DataType::S8: return DrainAs<int8_t>(work);
+    case ffi::DataType::F8E4M3FN: return DrainAs<Fp8>(work);
+    default: return DrainAs<float>(work);
+  }
 }
 
-ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> layer,
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache,
+                  ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> layer,
                   ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
                   ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> window, float sm_scale,
                   ffi::ResultBuffer<ffi::F32> out) {
@@ -784,15 +861,22 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   if (qd.size() != 3 || kd.size() != 5 || page_table.dimensions().size() != 2) {
     return ffi::Error::InvalidArgument("q must be [T, Hq, D], kv_cache 5-D and page_table 2-D");
   }
-  const bool bits = kv_cache.element_type() == ffi::DataType::U16;
-  if (!bits && kv_cache.element_type() != ffi::DataType::F32) {
-    return ffi::Error::InvalidArgument("kv_cache must be float32 or uint16 (bfloat16 bits)");
+  const ffi::DataType kind = kv_cache.element_type();
+  if (kind != ffi::DataType::F32 && kind != ffi::DataType::U16 && kind != ffi::DataType::S8 &&
+      kind != ffi::DataType::F8E4M3FN) {
+    return ffi::Error::InvalidArgument("kv_cache must be float32, uint16 (bfloat16 bits), int8 or float8_e4m3fn");
+  }
+  const bool scaled = kind == ffi::DataType::S8 || kind == ffi::DataType::F8E4M3FN;
+  auto sd = scales.dimensions();
+  if (scaled && (sd.size() != 4 || !std::equal(sd.begin(), sd.end(), kd.begin()))) {
+    return ffi::Error::InvalidArgument("an 8-bit kv_cache needs scales [2*Hkv, L, num_pages, page_size]");
   }
   auto work = std::make_unique<Work>();
-  work->bits = bits;
+  work->kind = kind;
   Problem& pb = work->pb;
   pb.q = q.typed_data();
   pb.kv = kv_cache.untyped_data();
+  pb.scales = scaled ? scales.typed_data() : nullptr;
   pb.num_tokens = qd[0];
   pb.num_heads = qd[1];
   pb.head_dim = qd[2];
@@ -814,7 +898,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   pb.query_start_loc = query_start_loc.typed_data();
   pb.sm_scale = sm_scale;
   pb.out = out->typed_data();
-  work->amx = bits && pb.head_dim % 32 == 0 && AttentionUsesAmx();
+  work->amx = kind == ffi::DataType::U16 && pb.head_dim % 32 == 0 && AttentionUsesAmx();
   const int64_t num_seqs = kv_lens.dimensions()[0];
 
   // Bad metadata must not read outside the buffers: check every sequence's bounds and the
@@ -872,6 +956,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attend,
                                   .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
                                   .Arg<ffi::AnyBuffer>()          // kv_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scales (8-bit caches; else any)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // page_table

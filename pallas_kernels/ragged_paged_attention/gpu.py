@@ -7,6 +7,11 @@ reads its block's metadata and page ids with scalar loads and gathers a KV block
 pages straight from global memory (``kv_cache[head, layer, pages]``), which Triton
 turns into one pointer-arithmetic load of ``[block_pages, page_size, D]``.
 
+An 8-bit cache (``common.QuantizedKV``) adds its scales ``[2*Hkv, L, num_pages,
+page_size]``, gathered per KV block like the pages: scores are ``q . k_values`` times each
+key's scale, and each value row's scale goes into the probabilities before ``p . v`` (the
+8-bit values widen exactly to the query's dtype).
+
 Triton wants every loaded tensor to have a power-of-two size and ``tl.dot`` operands
 of at least 16 per side, so tiles are padded to a power of two >= 16 rows and
 ``get_kv_cache_shape`` pads ``head_dim`` to a power of two; block_pages and page_size
@@ -26,11 +31,13 @@ from pallas_kernels.ragged_paged_attention.common import (
     DEFAULT_BLOCK_SIZES,
     MASKED,
     BlockSizes,
+    QuantizedKV,
     attend_by_plan,
     check_write_inputs,
     kv_block_range,
     kv_cache_shape,
     pad_head_dim,
+    quantize_rows,
 )
 
 MIN_DOT = 16
@@ -63,12 +70,12 @@ def _attention_kernel(
     params_ref,  # [2] layer, sliding window (0 = unlimited)
     q_ref,  # [R, D] this program's tile
     kv_ref,  # [2*Hkv, L, num_pages, page_size, D] the whole cache
-    o_ref,  # [R, D]
-    *,
+    *refs,  # an 8-bit cache's scales [2*Hkv, L, num_pages, page_size]; then o_ref [R, D]
     group: int,
     block_pages: int,
     sm_scale: float,
 ):
+    *scale_ref, o_ref = refs
     b, h = pl.program_id(0), pl.program_id(1)
     num_kv_heads, page_size = kv_ref.shape[0] // 2, kv_ref.shape[3]
     tile_rows, head_dim = q_ref.shape
@@ -78,6 +85,7 @@ def _attention_kernel(
     kv_len = kv_lens_ref[seq]
     lo, hi = kv_block_range(first, count, kv_len, window, block_kv)
     q = q_ref[...]
+    dot_dtype = q.dtype if scale_ref else kv_ref.dtype  # 8-bit values widen to q's dtype
     row_tok = jnp.arange(tile_rows, dtype=jnp.int32) // group
     row_pos = (first + row_tok)[:, None]
     row_real = (row_tok < count)[:, None]
@@ -85,12 +93,17 @@ def _attention_kernel(
     def body(j, carry):
         m, denom, acc = carry
         pages = page_table_ref[seq, pl.ds(j * block_pages, block_pages)]
-        k = kv_ref[h, layer, pages].reshape(block_kv, head_dim)
-        v = kv_ref[num_kv_heads + h, layer, pages].reshape(block_kv, head_dim)
+        k = kv_ref[h, layer, pages].reshape(block_kv, head_dim).astype(dot_dtype)
+        v = kv_ref[num_kv_heads + h, layer, pages].reshape(block_kv, head_dim).astype(dot_dtype)
         kv_pos = j * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+        written = kv_pos < kv_len
         # V rows past the sequence's end may be another sequence's or NaN: 0 * NaN is NaN.
-        v = jnp.where((kv_pos < kv_len)[:, None], v, jnp.zeros((), v.dtype))
-        s = plgpu.dot(q.astype(k.dtype), k, trans_b=True, allow_tf32=False) * sm_scale
+        v = jnp.where(written[:, None], v, jnp.zeros((), v.dtype))
+        s = plgpu.dot(q.astype(dot_dtype), k, trans_b=True, allow_tf32=False) * sm_scale
+        if scale_ref:
+            k_scale = scale_ref[0][h, layer, pages].reshape(1, block_kv)
+            v_scale = jnp.where(written, scale_ref[0][num_kv_heads + h, layer, pages].reshape(block_kv), 0.0)
+            s = s * k_scale
         kv_pos = kv_pos[None, :]
         valid = (kv_pos <= row_pos) & ((window <= 0) | (kv_pos > row_pos - window)) & row_real
         s = jnp.where(valid, s, MASKED)
@@ -98,7 +111,8 @@ def _attention_kernel(
         p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         denom = denom * alpha + p.sum(axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, allow_tf32=False)
+        pv = p * v_scale[None, :] if scale_ref else p
+        acc = acc * alpha[:, None] + plgpu.dot(pv.astype(v.dtype), v, allow_tf32=False)
         return m_new, denom, acc
 
     init = (
@@ -113,7 +127,7 @@ def _attention_kernel(
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, head_dim]
-    kv_cache: jax.Array,  # [2*Hkv, L, num_pages, page_size, D >= head_dim]
+    kv_cache: jax.Array | QuantizedKV,  # [2*Hkv, L, num_pages, page_size, D >= head_dim]
     layer: jax.Array,  # [] int32
     kv_lens: jax.Array,  # [S] int32, this step's tokens included
     page_table: jax.Array,  # [S, pages_per_seq] int32
@@ -127,10 +141,13 @@ def ragged_paged_attention(
     """Same contract as ``ref_ragged_paged_attention``; two kernel calls (decode blocks,
     prefill-chunk blocks) over the same cache."""
     num_kv_heads, page_size = kv_cache.shape[0] // 2, kv_cache.shape[3]
+    caches = [kv_cache.values, kv_cache.scales] if isinstance(kv_cache, QuantizedKV) else [kv_cache]
     block_pages = min(block_sizes.block_pages, _next_pow2(page_table.shape[1]))
     if block_pages & (block_pages - 1) or page_size & (page_size - 1):
         raise ValueError(f"block_pages ({block_pages}) and page_size ({page_size}) must be powers of two")
-    page_bytes = 2 * page_size * kv_cache.shape[4] * kv_cache.dtype.itemsize  # K and V of one page
+    # K and V of one page; an 8-bit page also in its widened copy (found by the H200 check).
+    itemsize = kv_cache.dtype.itemsize + (q.dtype.itemsize if len(caches) > 1 else 0)
+    page_bytes = 2 * page_size * kv_cache.shape[4] * itemsize
     while block_pages > 1 and block_pages * page_bytes > KV_BLOCK_BYTES:
         block_pages //= 2
     num_stages = 2 if page_bytes <= KV_BLOCK_BYTES else 1  # a lone page over budget: no double buffer
@@ -148,13 +165,13 @@ def ragged_paged_attention(
         return pl.pallas_call(
             kernel,
             grid=(num_blocks, num_kv_heads),
-            in_specs=[whole] * 6 + [tile_spec, whole],
+            in_specs=[whole] * 6 + [tile_spec] + [whole] * len(caches),
             out_specs=tile_spec,
             out_shape=jax.ShapeDtypeStruct(tiles.shape, q.dtype),
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=num_stages),
             interpret=interpret,
             name="ragged_paged_attention_decode" if decode else "ragged_paged_attention_chunk",
-        )(plan.seq, plan.first_pos, plan.num_tokens, kv_lens, page_table, params, tiles, kv_cache)
+        )(plan.seq, plan.first_pos, plan.num_tokens, kv_lens, page_table, params, tiles, *caches)
 
     return attend_by_plan(
         q,
@@ -169,41 +186,51 @@ def ragged_paged_attention(
     )
 
 
-def _write_kernel(slots_ref, params_ref, new_ref, cache_in, cache_ref):
-    """One program per token: stores its K/V row of every head into its slot."""
-    del cache_in  # aliased to cache_ref
+def _write_kernel(slots_ref, params_ref, *refs):
+    """One program per token: stores its K/V row of every head into its slot (and, for an
+    8-bit cache, its scale beside it)."""
+    n = len(refs) // 3  # the new rows (and scales), the caches in (aliased to), the caches out
+    new_refs, cache_refs = refs[:n], refs[2 * n :]
     t = pl.program_id(0)
-    page_size = cache_ref.shape[3]
+    page_size = cache_refs[0].shape[3]
     slot, layer = slots_ref[t], params_ref[0]
     page, offset = slot // page_size, slot % page_size
-    for head in range(new_ref.shape[0]):
-        cache_ref[head, layer, page, offset] = new_ref[head, t]
+    for head in range(new_refs[0].shape[0]):
+        for new_ref, cache_ref in zip(new_refs, cache_refs, strict=True):
+            cache_ref[head, layer, page, offset] = new_ref[head, t]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def write_kv(
-    kv_cache: jax.Array,  # [2*Hkv, L, num_pages, page_size, D]
+    kv_cache: jax.Array | QuantizedKV,  # [2*Hkv, L, num_pages, page_size, D]
     layer: jax.Array,  # [] int32
     slot_mapping: jax.Array,  # [T] int32
     k: jax.Array,  # [T, Hkv, head_dim <= D]
     v: jax.Array,  # [T, Hkv, head_dim <= D]
     *,
     interpret: bool = False,
-) -> jax.Array:
+) -> jax.Array | QuantizedKV:
     """Same contract as ``ref_write_kv`` (in place: the cache is aliased to the output).
-    Padding tokens all write page 0 (scratch)."""
+    Padding tokens all write page 0 (scratch). An 8-bit cache's rows are quantized here
+    (``quantize_rows``, as the reference does) and stored with their scales."""
     check_write_inputs(kv_cache, slot_mapping, k, v)
-    new = jnp.concatenate([k, v], axis=1).astype(kv_cache.dtype).transpose(1, 0, 2)  # [2*Hkv, T, hd]
-    new = pad_head_dim(new, kv_cache.shape[4])
+    new = jnp.concatenate([k, v], axis=1).transpose(1, 0, 2)  # [2*Hkv, T, hd]
+    if isinstance(kv_cache, QuantizedKV):
+        values, scales = quantize_rows(new, kv_cache.dtype)
+        news, caches = [pad_head_dim(values, kv_cache.shape[4]), scales], [kv_cache.values, kv_cache.scales]
+    else:
+        news, caches = [pad_head_dim(new.astype(kv_cache.dtype), kv_cache.shape[4])], [kv_cache]
     whole = pl.no_block_spec
-    return pl.pallas_call(
+    n = len(caches)
+    out = pl.pallas_call(
         _write_kernel,
         grid=(new.shape[1],),
-        in_specs=[whole] * 4,
-        out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
-        input_output_aliases={3: 0},
+        in_specs=[whole] * (2 + 2 * n),
+        out_specs=[whole] * n,
+        out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
+        input_output_aliases={2 + n + i: i for i in range(n)},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="write_kv",
-    )(slot_mapping.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1), new, kv_cache)
+    )(slot_mapping.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1), *news, *caches)
+    return QuantizedKV(*out) if isinstance(kv_cache, QuantizedKV) else out[0]

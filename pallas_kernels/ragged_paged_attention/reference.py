@@ -12,6 +12,10 @@ as bfloat16, XLA:CPU converts the whole cache to float32 on every read instead o
 the gathered pages. Reading the bits and bitcasting per KV block is what makes a
 bfloat16 cache (half the bytes of float32) faster, not slower, on CPU.
 
+An 8-bit cache (int8, float8_e4m3fn) is a ``common.QuantizedKV``: the values in this
+layout and a float32 scale per token and head (``quantize_rows`` at the write); a
+gathered block is widened and multiplied by its rows' scales.
+
 A token's K/V lives at ``slot = page * page_size + offset`` in every head's plane. Page 0 is scratch:
 padding tokens write there and no sequence reads it. A backend may pad ``head_dim``
 (``get_kv_cache_shape``); the padding lanes hold zeros.
@@ -44,10 +48,12 @@ from pallas_kernels.ragged_paged_attention.common import (
     MASKED,
     BlockPlan,
     BlockSizes,
+    QuantizedKV,
     attend_by_plan,
     check_write_inputs,
     kv_cache_shape,
     pad_head_dim,
+    quantize_rows,
 )
 
 
@@ -59,7 +65,8 @@ def get_kv_cache_shape(
 
 
 def storage_dtype(kv_dtype) -> jnp.dtype:
-    """The dtype the reference backend keeps a ``kv_dtype`` cache in (bfloat16 -> its bits)."""
+    """The dtype the reference backend keeps a ``kv_dtype`` cache in (bfloat16 -> its bits;
+    8-bit dtypes as themselves, in a ``QuantizedKV``)."""
     kv_dtype = jnp.dtype(kv_dtype)
     return jnp.dtype(jnp.uint16) if kv_dtype == jnp.bfloat16 else kv_dtype
 
@@ -79,22 +86,35 @@ def _from_cache(x: jax.Array) -> jax.Array:
 
 @jax.jit
 def ref_write_kv(
-    kv_cache: jax.Array,  # [2*Hkv, L, num_pages, page_size, D]
+    kv_cache: jax.Array | QuantizedKV,  # [2*Hkv, L, num_pages, page_size, D]
     layer: jax.Array,  # [] int32
     slot_mapping: jax.Array,  # [T] int32
     k: jax.Array,  # [T, Hkv, head_dim <= D]
     v: jax.Array,  # [T, Hkv, head_dim <= D]
-) -> jax.Array:
+) -> jax.Array | QuantizedKV:
     """Writes this step's K/V into their slots (an in-place scatter when donated)."""
     check_write_inputs(kv_cache, slot_mapping, k, v)
     page_size = kv_cache.shape[3]
-    kv = _to_cache(jnp.concatenate([k, v], axis=1), kv_cache.dtype).transpose(1, 0, 2)  # [2*Hkv, T, head_dim]
-    kv = pad_head_dim(kv, kv_cache.shape[4])
-    return (
-        jnp.asarray(kv_cache)
-        .at[:, layer, slot_mapping // page_size, slot_mapping % page_size]
-        .set(kv, mode="promise_in_bounds")
-    )
+    kv = jnp.concatenate([k, v], axis=1).transpose(1, 0, 2)  # [2*Hkv, T, head_dim]
+    where = (slice(None), layer, slot_mapping // page_size, slot_mapping % page_size)
+    if isinstance(kv_cache, QuantizedKV):
+        values, scales = quantize_rows(kv, kv_cache.dtype)
+        values = pad_head_dim(values, kv_cache.shape[4])
+        return QuantizedKV(
+            kv_cache.values.at[where].set(values, mode="promise_in_bounds"),
+            kv_cache.scales.at[where].set(scales, mode="promise_in_bounds"),
+        )
+    kv = pad_head_dim(_to_cache(kv, kv_cache.dtype), kv_cache.shape[4])
+    return jnp.asarray(kv_cache).at[where].set(kv, mode="promise_in_bounds")
+
+
+def gather_pages(kv_cache: jax.Array | QuantizedKV, heads, layer, pages) -> jax.Array:
+    """``kv_cache[heads, layer, pages]`` (one gather indexing all three, broadcast
+    together) as float32 rows ``[..., page_size, D]``, 8-bit rows times their scales."""
+    if isinstance(kv_cache, QuantizedKV):
+        scales = kv_cache.scales[heads, layer, pages]
+        return kv_cache.values[heads, layer, pages].astype(jnp.float32) * scales[..., None]
+    return _from_cache(kv_cache[heads, layer, pages])
 
 
 # Query blocks attended together (one batched matmul per KV block). A plan has room for
@@ -179,8 +199,8 @@ def _attend_group(
         def load(first_head):
             # One gather per K and V, indexing head, layer and page at once, gives
             # [Hkv, G, Kb, D] in the dot's layout (slicing the cache first copies a layer).
-            x = kv_cache[heads + first_head, layer, pages[None]]
-            return _from_cache(x.reshape(num_kv_heads, num_blocks, block_kv, head_dim))
+            x = gather_pages(kv_cache, heads + first_head, layer, pages[None])
+            return x.reshape(num_kv_heads, num_blocks, block_kv, head_dim)
 
         kv_pos = j * block_kv + jnp.arange(block_kv)
         valid = (kv_pos <= row_pos) & (kv_pos >= row_low) & row_real  # [1, G, R, Kb]
