@@ -25,6 +25,7 @@ from pallas_kernels.ragged_paged_attention import (
     reference,
     tpu,
 )
+from pallas_kernels.ragged_paged_attention.common import QuantizedKV, quantize_rows
 
 CASES = {
     "decode_only": [(1, 1), (1, 17), (1, 40), (1, 5)],
@@ -338,17 +339,20 @@ def test_cpu_kernel_bfloat16_cache_is_read_at_float32_accuracy(
 
 
 @needs_cpu_kernel
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("page_size", [8, 16])
 def test_cpu_kernel_token_is_bitwise_independent_of_its_batch(dtype, page_size):
     """A token's output is bit-identical computed as a decode, as the last row of a
     prefill chunk, alone or beside other sequences (its row's arithmetic is its own), for
-    either cache dtype (on AMX a bfloat16 decode's scores are computed transposed)."""
+    every cache dtype (on AMX a bfloat16 decode's scores are computed transposed; 8-bit
+    caches carry their scales)."""
     c = make_case([(1, 37)], 9, 3, 64, page_size=page_size)
     rng = np.random.RandomState(3)
     cache = np.where(np.isnan(c.kv_cache), rng.randn(*c.kv_cache.shape), c.kv_cache).astype(np.float32)
     if dtype == "bfloat16":
         cache = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(cache, jnp.bfloat16), jnp.uint16))
+    elif dtype != "float32":
+        cache = QuantizedKV(*quantize_rows(jnp.asarray(cache), dtype))
     pages = c.page_table[:1]
     q = rng.randn(40, 9, 64).astype(np.float32)
 

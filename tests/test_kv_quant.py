@@ -1,6 +1,7 @@
 """8-bit KV caches (``kv_cache_dtype: int8 | float8_e4m3fn``): the per-token scales at the
-write, the reference and CPU kernel reading them, and the engine around them (page
-copies carry the scales, no compiles after warm-up, pages all returned)."""
+write, the reference, CPU and GPU (interpret) kernels reading them, and the engine around
+them (page copies carry the scales, no compiles after warm-up, pages all returned). The
+CPU kernel's batch invariance over 8-bit caches: tests/test_attention_kernels.py."""
 
 from __future__ import annotations
 
@@ -121,30 +122,6 @@ def test_an_8bit_cache_reads_as_its_dequantized_values(
     # Against the unquantized K/V (naive float64 attention): the quantization's own error.
     tol = 0.05 if kv_dtype == "int8" else 0.25
     np.testing.assert_allclose(out[:n], c.expected, atol=tol)
-
-
-@needs_cpu_kernel
-@pytest.mark.parametrize("kv_dtype", KV8)
-def test_cpu_kernel_8bit_token_is_bitwise_independent_of_its_batch(kv_dtype):
-    """As for float caches: a token's output is the same bits as a decode, inside a prefill
-    chunk, or beside another sequence."""
-    c = make_case([(1, 37)], 9, 3, 64, page_size=16)
-    rng = np.random.RandomState(3)
-    full = np.where(np.isnan(c.kv_cache), rng.randn(*c.kv_cache.shape), c.kv_cache).astype(np.float32)
-    cache = QuantizedKV(*quantize_rows(jnp.asarray(full), kv_dtype))
-    pages = c.page_table[:1]
-    q = rng.randn(40, 9, 64).astype(np.float32)
-
-    def run(q, kv_lens, page_table, query_start_loc):
-        args = (q, cache, np.int32(1), np.asarray(kv_lens, np.int32), page_table, np.asarray(query_start_loc, np.int32))
-        return np.asarray(cpu.ragged_paged_attention(*args, 0, sm_scale=0.125))
-
-    decode = run(q[:1], [37], pages, [0, 1])[0]
-    q_chunk = q[:12].copy()
-    q_chunk[11] = q[0]
-    np.testing.assert_array_equal(decode, run(q_chunk, [37], pages, [0, 12])[11])
-    beside = run(np.concatenate([q[20:25], q[:1]]), [30, 37], np.concatenate([pages, pages]), [0, 5, 6])[5]
-    np.testing.assert_array_equal(decode, beside)
 
 
 @needs_cpu_kernel
