@@ -199,9 +199,6 @@ class StepCompiler:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
             jax.eval_shape(lambda: backend.new_kv_cache(shape, plan.kv_dtype)),
         )
-        self._kv_bytes = backend.kv_bytes_per_page(
-            cfg.num_layers, plan.runner.page_size, cfg.num_kv_heads, cfg.head_dim, plan.kv_dtype
-        )
         self.vocab_size = cfg.vocab_size
         self._forward = jax.jit(make_forward(self.graphdef, backend), donate_argnums=(1,))
         self._sample = jax.jit(make_sample(plan.runner.max_num_seqs, plan.mesh))
@@ -235,7 +232,7 @@ class StepCompiler:
     @property
     def kv_cache_bytes(self) -> int:
         """KV cache bytes on one device."""
-        return self.plan.num_pages * self._kv_bytes // self.plan.mesh_config.model
+        return self.plan.num_pages * self.plan.kv_bytes_per_page  # values and any scales
 
 
 def plan_for(cfg: EngineConfig, arch: ModelConfig, tgt: Target) -> EnginePlan:

@@ -25,11 +25,11 @@ from jaxserve.errors import ConfigError
 from jaxserve.models.quant import QUANTIZATIONS
 from jaxserve.parallel import MeshConfig
 from jaxserve.parallel.multihost import DistributedConfig
+from pallas_kernels.ragged_paged_attention.common import QUANTIZED_KV_DTYPES
 
 MATMUL_BACKENDS = ("auto", "xla", "onednn")
 
 DTYPES = ("float32", "bfloat16", "float16")
-KV_QUANT_DTYPES = ("int8", "float8_e4m3fn")  # 8-bit KV caches (with per-token scales)
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}
 
 
@@ -146,7 +146,7 @@ class EngineConfig:
         "Storage dtype of the KV cache (null: dtype); attention widens it to float32. auto: as weight_dtype. "
         "int8 / float8_e4m3fn: 8-bit values with a float32 scale per token and KV head (max |x| / 127, or / 448), "
         "about half of bfloat16's bytes (attention_backend reference, cpu and pallas_gpu; not pallas_tpu yet).",
-        one_of(*DTYPES, *KV_QUANT_DTYPES, "auto"),
+        one_of(*DTYPES, *QUANTIZED_KV_DTYPES, "auto"),
     )
     page_size: int = option(16, "Tokens per KV page.", one_of(8, 16, 32, 64, 128))
     num_pages: int | None = option(

@@ -24,6 +24,7 @@ import numpy as np
 from pallas_kernels import cpu_build
 from pallas_kernels.ragged_paged_attention.common import (
     DEFAULT_BLOCK_SIZES,
+    QUANTIZED_KV_DTYPES,
     BlockSizes,
     QuantizedKV,
     check_attention_inputs,
@@ -44,7 +45,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # The cache dtypes the kernel reads (bfloat16 as bits; 8-bit ones with their scales).
-KV_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn")
+KV_DTYPES = ("float32", "bfloat16", *QUANTIZED_KV_DTYPES)
 TARGET = "jaxserve_ragged_paged_attention"
 
 

@@ -156,7 +156,6 @@ inline float SumLanes(Lanes v) {
   return v2[0] + v2[1];
 }
 
-
 // Largest lane (exact: a max does not round, so the order is free).
 inline float MaxLanes(Lanes v) {
   float m = v[0];
