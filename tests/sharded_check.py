@@ -67,6 +67,10 @@ def _prompt_logits(llm: LLM, ids: list[int]) -> np.ndarray:
         llm.kv.pool.release(pages)
 
 
+def _logit_diff(one: np.ndarray, sharded: np.ndarray) -> dict:
+    return {"max_logit_diff": float(np.abs(one - sharded).max()), "max_abs_logit": float(np.abs(one).max())}
+
+
 def _shard_shapes(x: jax.Array) -> list[list[int]]:
     return sorted({tuple(s.data.shape) for s in x.addressable_shards})
 
@@ -80,9 +84,7 @@ def compare(path: str, model_axis: int, vocab: int, extra_checks: bool) -> dict:
         "devices": len(jax.devices()),
         "one": [o.token_ids for o in one.generate(prompts, GREEDY)],
         "sharded": [o.token_ids for o in sharded.generate(prompts, GREEDY)],
-        "max_logit_diff": float(
-            np.abs(_prompt_logits(one, prompts[0][:32]) - _prompt_logits(sharded, prompts[0][:32])).max()
-        ),
+        **_logit_diff(_prompt_logits(one, prompts[0][:32]), _prompt_logits(sharded, prompts[0][:32])),
         "kv_cache_shape": list(sharded.runner.kv_cache.shape),
         "kv_cache_spec": str(sharded.runner.kv_cache.sharding.spec),
         "kv_shard_shapes": _shard_shapes(sharded.runner.kv_cache),
