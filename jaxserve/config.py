@@ -145,7 +145,7 @@ class EngineConfig:
         None,
         "Storage dtype of the KV cache (null: dtype); attention widens it to float32. auto: as weight_dtype. "
         "int8 / float8_e4m3fn: 8-bit values with a float32 scale per token and KV head (max |x| / 127, or / 448), "
-        "about half of bfloat16's bytes (attention_backend reference, cpu and pallas_gpu; not pallas_tpu yet).",
+        "about half of bfloat16's bytes (every attention backend; on pallas_tpu page_size a multiple of 32).",
         one_of(*DTYPES, *QUANTIZED_KV_DTYPES, "auto"),
     )
     page_size: int = option(16, "Tokens per KV page.", one_of(8, 16, 32, 64, 128))

@@ -190,16 +190,19 @@ def resolve_plan(
                 f"{', '.join(cpu_attention.KV_DTYPES)}; use attention_backend: reference for {kv_dtype}"
             )
         backend = AttentionBackend.resolve("reference", page_size=cfg.page_size, mesh=mesh, platform=platform)
-    if not backend.reads_kv_dtype(kv_dtype):
-        raise ConfigError(
-            f"kv_cache_dtype = {kv_dtype!r}: attention_backend {backend.name!r} does not read 8-bit caches yet "
-            f"(attention_backend reference, cpu and pallas_gpu do); use kv_cache_dtype bfloat16 or float32 here"
-        )
-    num_pages = cfg.num_pages
+    if why := backend.page_size_error(cfg.page_size, kv_dtype):
+        raise ConfigError(why)
+    num_pages, multiple = cfg.num_pages, backend.pages_multiple(kv_dtype)
     if num_pages is None:  # kv_cache_memory_gb is per device (finite and > 0: EngineConfig checks)
         budget = cfg.kv_cache_memory_gb * 2**30
         per_page = _kv_bytes_per_page(backend, mcfg, cfg.page_size, kv_heads, kv_dtype, mesh_cfg)
-        num_pages = max(int(budget // per_page), 2)
+        num_pages = max(int(budget // per_page) // multiple * multiple, 2, multiple)
+    elif num_pages % multiple:
+        raise ConfigError(
+            f"num_pages = {num_pages}: attention_backend {backend.name!r} needs a multiple of {multiple} for a "
+            f"{kv_dtype} KV cache (its scales' memory tiles); use num_pages {num_pages // multiple * multiple or multiple} "
+            f"or {-(-num_pages // multiple) * multiple}, or kv_cache_memory_gb"
+        )
     # The context cannot outgrow the pages one sequence could hold (all but the scratch page).
     max_model_len = min(max_model_len, (num_pages - 1) * cfg.page_size)
     weight_dtype = storage_dtype(cfg.weight_dtype, dtype, platform)

@@ -19,8 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import aot
 from jaxserve.server.config import load_run_config
-from pallas_kernels.ragged_paged_attention import BlockSizes
-from pallas_kernels.ragged_paged_attention.common import QuantizedKV, is_quantized
+from pallas_kernels.ragged_paged_attention import BlockSizes, tpu
+from pallas_kernels.ragged_paged_attention.common import QuantizedKV, is_quantized, scales_shape
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,9 +45,11 @@ KERNEL_SHAPES = [
 ]
 
 
-# 8-bit caches (a bfloat16 model around them): the kernels that read them (GPU so far).
+# 8-bit caches (a bfloat16 model around them). The TPU kernels take pages of 32 rows and
+# more (an 8-bit memory tile): every row but the first (GPU only).
 KV8_SHAPES = [
     ("gqa4-d128-p16-int8-mixed", 32, 8, 128, 16, jnp.int8, 512, 64, 0),
+    ("gqa4-d128-p32-int8-mixed", 32, 8, 128, 32, jnp.int8, 512, 64, 0),
     ("gqa1-d64-p32-int8-decode-window", 8, 8, 64, 32, jnp.int8, 64, 64, 1024),
     ("gqa8-d256-p64-fp8-mixed", 64, 8, 256, 64, jnp.float8_e4m3fn, 256, 32, 0),
     ("gqa4-d128-p128-fp8-decode", 32, 8, 128, 128, jnp.float8_e4m3fn, 64, 64, 0),
@@ -60,16 +62,17 @@ def on_first_device(target):
     return NamedSharding(mesh, P()), mesh.abstract_mesh
 
 
-def compile_fn(fn, target, *shapes_dtypes):
+def compile_fn(fn, target, *shapes_dtypes, scale_lanes: int | None = None):
     """Compiles ``fn`` for abstract arguments of the given (shape, dtype) on the target; an
-    8-bit dtype's cache shape becomes an abstract ``QuantizedKV`` (values and scales)."""
+    8-bit dtype's cache shape becomes an abstract ``QuantizedKV`` (values and scales, each
+    page's row of scales ``scale_lanes`` wide: ``common.scales_shape``)."""
     sharding, abstract_mesh = on_first_device(target)
 
     def abstract(s, d):
         if is_quantized(d):
             return QuantizedKV(
                 jax.ShapeDtypeStruct(s, d, sharding=sharding),
-                jax.ShapeDtypeStruct(s[:-1], jnp.float32, sharding=sharding),
+                jax.ShapeDtypeStruct(scales_shape(s, scale_lanes), jnp.float32, sharding=sharding),
             )
         return jax.ShapeDtypeStruct(s, d, sharding=sharding)
 
@@ -84,7 +87,8 @@ def compile_kernels(kernel, target, shape) -> None:
     _, hq, hkv, head_dim, page_size, dtype, tokens, seqs, window = shape
     kv_dtype, dtype = dtype, jnp.bfloat16 if is_quantized(dtype) else dtype  # 8-bit: a bfloat16 model
     pages_per_seq = 8192 // page_size
-    cache = kernel.get_kv_cache_shape(2, seqs * pages_per_seq // 4 + 1, page_size, hkv, head_dim)
+    num_pages = -(-(seqs * pages_per_seq // 4 + 1) // 8) * 8  # whole sublane tiles, as the engine's TPU caches
+    cache = kernel.get_kv_cache_shape(2, num_pages, page_size, hkv, head_dim)
     sizes = BlockSizes(block_q=16, block_pages=max(1, 128 // page_size))
 
     def step(q, k, v, kv_cache, slot_mapping, kv_lens, page_table, query_start_loc):
@@ -106,6 +110,7 @@ def compile_kernels(kernel, target, shape) -> None:
         ((seqs,), i32),
         ((seqs, pages_per_seq), i32),
         ((seqs + 1,), i32),
+        scale_lanes=tpu.scale_lanes(page_size) if kernel is tpu else None,
     )
 
 

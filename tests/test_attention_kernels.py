@@ -422,6 +422,39 @@ def test_tpu_write_kv_merges_whole_tiles(dtype):
     np.testing.assert_array_equal(got[:, 0].astype(np.float32), cache[:, 0].astype(np.float32))  # layer 0 untouched
 
 
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_tpu_write_kv_of_an_8bit_cache_sets_values_and_scales(dtype):
+    """An 8-bit cache on TPU: the rows go in as whole 32-row tiles and each page's row of
+    scales (128 lanes, its first page_size used) is rewritten whole with this step's lanes
+    set, over several rounds of both kernels' buffers. Values and scales equal the
+    reference's on every page but the scratch page; the padding lanes and layer 0 keep
+    what they held."""
+    rng = np.random.RandomState(4)
+    page_size, num_kv_heads, head_dim, num_pages = 32, 2, 64, 16
+    shape = tpu.get_kv_cache_shape(2, num_pages, page_size, num_kv_heads, head_dim)
+    values, scales = quantize_rows(jnp.asarray(rng.randn(*shape).astype(np.float32)), dtype)
+    lanes = rng.rand(*shape[:3], tpu.scale_lanes(page_size)).astype(np.float32)
+    lanes[..., :page_size] = np.asarray(scales)
+    cache = QuantizedKV(values, jnp.asarray(lanes))
+    run = list(range(3 * page_size + 5, 3 * page_size + 5 + 40))  # crosses a page boundary mid-tile
+    others = [s for s in range(page_size, num_pages * page_size) if s not in run]
+    scattered = sorted(rng.choice(others, size=14, replace=False).tolist())
+    slots = np.asarray(run + scattered[::-1] + [0] * 6, np.int32)  # unsorted singles, then padding
+    k = rng.randn(len(slots), num_kv_heads, head_dim).astype(np.float32)
+    v = rng.randn(len(slots), num_kv_heads, head_dim).astype(np.float32)
+    as_reference = QuantizedKV(values, scales)
+    expected = ref_write_kv(as_reference, np.int32(1), slots, k, v)
+    tile_bytes = 2 * num_kv_heads * tpu.tile_rows(dtype) * shape[-1]
+    got = tpu.write_kv(cache, np.int32(1), slots, k, v, interpret=not NATIVE, tile_buffer_bytes=2 * tile_bytes)
+    assert len({s // page_size for s in slots}) > 8  # more page rows than one round of the scales kernel
+    values_got, lanes_got = np.asarray(got.values).astype(np.float32), np.asarray(got.scales)
+    np.testing.assert_array_equal(values_got[:, :, 1:], np.asarray(expected.values).astype(np.float32)[:, :, 1:])
+    np.testing.assert_array_equal(lanes_got[:, :, 1:, :page_size], np.asarray(expected.scales)[:, :, 1:])
+    np.testing.assert_array_equal(lanes_got[..., page_size:], lanes[..., page_size:])  # padding lanes
+    np.testing.assert_array_equal(lanes_got[:, 0], lanes[:, 0])  # layer 0 untouched
+    np.testing.assert_array_equal(values_got[:, 0], np.asarray(values).astype(np.float32)[:, 0])
+
+
 def test_tpu_write_plan_counts_tiles_and_segments():
     """Slots 5..12 (rows 5-7 of tile 0 and 0-4 of tile 1 at 8 rows per tile), 20 and 22
     (tile 2 = page 1 rows 0-7, two segments: 21 is skipped), and two padding tokens on slot 0 (tile 0, a

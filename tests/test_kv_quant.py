@@ -1,7 +1,8 @@
 """8-bit KV caches (``kv_cache_dtype: int8 | float8_e4m3fn``): the per-token scales at the
-write, the reference, CPU and GPU (interpret) kernels reading them, and the engine around
-them (page copies carry the scales, no compiles after warm-up, pages all returned). The
-CPU kernel's batch invariance over 8-bit caches: tests/test_attention_kernels.py."""
+write, the reference, CPU, GPU and TPU (interpret) kernels reading them, and the engine
+around them (page copies carry the scales, no compiles after warm-up, pages all returned).
+The CPU kernel's batch invariance over 8-bit caches: tests/test_attention_kernels.py; the
+TPU and GPU compilers' own rules: tests/test_tpu_compile.py, tests/test_gpu_compile.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
 from jaxserve.models.config import config_from_hf
 from jaxserve.plan import resolve_plan
-from pallas_kernels.ragged_paged_attention import BlockSizes, cpu, gpu, ref_ragged_paged_attention, ref_write_kv
+from pallas_kernels.ragged_paged_attention import BlockSizes, cpu, gpu, ref_ragged_paged_attention, ref_write_kv, tpu
 from pallas_kernels.ragged_paged_attention.common import QuantizedKV, quantize_rows
 from tests.conftest import TINY, rng_tokens
 from tests.test_attention_kernels import make_case
@@ -54,13 +55,16 @@ def test_a_rows_scale_maps_its_largest_value_and_the_rest_round_to_nearest(kv_dt
     np.testing.assert_allclose(np.abs(back).max(-1), np.abs(x).max(-1), rtol=1e-6)
 
 
-def _quantized_case(c, kv_dtype):
+def _quantized_case(c, kv_dtype, scale_lanes=None):
     """The case's cache as an 8-bit cache (its unwritten rows' scales NaN, so a stray read
-    shows), and the same case over a float32 cache holding exactly the dequantized values."""
+    shows; so are the padding lanes of ``scale_lanes``-wide rows), and the same case over a
+    float32 cache holding exactly the dequantized values."""
     values, scales = quantize_rows(jnp.asarray(np.nan_to_num(c.kv_cache)), kv_dtype)
     unwritten = np.isnan(c.kv_cache).any(-1)
     scales = np.where(unwritten, np.nan, np.asarray(scales)).astype(np.float32)
     dequantized = np.where(unwritten[..., None], np.nan, _dequantized(values, scales))
+    pad = (scale_lanes or scales.shape[-1]) - scales.shape[-1]
+    scales = np.pad(scales, [(0, 0)] * 3 + [(0, pad)], constant_values=np.nan)
 
     def round_trip(x):
         return _dequantized(*quantize_rows(jnp.asarray(x), kv_dtype))
@@ -82,13 +86,30 @@ KERNELS = {
     "reference": (ref_write_kv, ref_ragged_paged_attention),
     "cpu": (cpu.write_kv, cpu.ragged_paged_attention),
     "pallas_gpu": (gpu.write_kv, gpu.ragged_paged_attention),  # interpret mode
+    "pallas_tpu": (tpu.write_kv, tpu.ragged_paged_attention),  # interpret mode (slow: two cases)
 }
+LAYOUTS = {"pallas_gpu": gpu.get_kv_cache_shape, "pallas_tpu": tpu.get_kv_cache_shape}  # head_dim padded
 BACKEND_NAMES = ["reference", pytest.param("cpu", marks=needs_cpu_kernel)]
 
 
-@pytest.mark.parametrize("kv_dtype", KV8)
-@pytest.mark.parametrize("backend", [*BACKEND_NAMES, "pallas_gpu"])
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, page_size, window", [(9, 3, 64, 16, 0), (4, 2, 48, 8, 20)])
+SHAPES = [(9, 3, 64, 16, 0), (4, 2, 48, 8, 20)]  # (q heads, KV heads, head_dim, page_size, window)
+# The TPU kernels move whole (32, 128) tiles of 8-bit pages: pages of 32 (and KV blocks of
+# 2 pages, so the scales of several pages meet in one block).
+TPU_CASES = [("int8", 9, 3, 64, 32, 0), ("float8_e4m3fn", 4, 2, 48, 32, 20)]
+
+
+@pytest.mark.parametrize(
+    "kv_dtype, backend, num_heads, num_kv_heads, head_dim, page_size, window",
+    [
+        *[
+            pytest.param(d, b, *shape, marks=[needs_cpu_kernel] if b == "cpu" else [])
+            for d in KV8
+            for b in ["reference", "cpu", "pallas_gpu"]
+            for shape in SHAPES
+        ],
+        *[(d, "pallas_tpu", *shape) for d, *shape in TPU_CASES],
+    ],
+)
 def test_an_8bit_cache_reads_as_its_dequantized_values(
     kv_dtype, backend, num_heads, num_kv_heads, head_dim, page_size, window
 ):
@@ -97,14 +118,11 @@ def test_an_8bit_cache_reads_as_its_dequantized_values(
     step's K/V per token and head, the readers multiply each row by its scale. head_dim
     48 takes the CPU kernel's generic path; NaN scales on unwritten rows catch stray reads."""
     write, attend = KERNELS[backend]
-    seqs = [(1, 33), (12, 20), (1, 9), (16, 16), (3, 30), (1, 1), (9, 40)]  # decodes and chunks
-    kw = {"interpret": True} if backend == "pallas_gpu" else {}
-    if backend == "pallas_gpu":  # its own layout: head_dim padded to a power of two
-        c = make_case(seqs, num_heads, num_kv_heads, head_dim, window=window, page_size=page_size,
-                      cache_shape_fn=gpu.get_kv_cache_shape)  # fmt: skip
-    else:
-        c = make_case(seqs, num_heads, num_kv_heads, head_dim, window=window, page_size=page_size)
-    cache, as_float = _quantized_case(c, kv_dtype)
+    seqs = [(1, 33), (12, 20), (1, 9), (16, 16), (3, 30), (1, 1), (9, 70)]  # decodes and chunks
+    kw = {"interpret": True} if backend.startswith("pallas") else {}
+    layout = {"cache_shape_fn": LAYOUTS[backend]} if backend in LAYOUTS else {}
+    c = make_case(seqs, num_heads, num_kv_heads, head_dim, window=window, page_size=page_size, **layout)
+    cache, as_float = _quantized_case(c, kv_dtype, tpu.scale_lanes(page_size) if backend == "pallas_tpu" else None)
     cache, out = _attend(write, attend, cache, c, window, **kw)
     _, expected = _attend(ref_write_kv, ref_ragged_paged_attention, as_float.kv_cache, as_float, window)
     n = c.num_real_tokens
@@ -136,8 +154,9 @@ def test_cpu_kernel_refuses_8bit_values_without_their_scales():
 
 
 def test_8bit_cache_bytes_and_backends():
-    """A page of an 8-bit cache is (head_dim + 4) / (2 head_dim) of bfloat16's; the TPU
-    backend refuses it by name until its kernels read scales."""
+    """A page of an 8-bit cache is (head_dim + 4) / (2 head_dim) of bfloat16's; on the TPU
+    backend (head_dim padded to 128) its scales take 128 lanes a page (the HBM tiling),
+    and a page smaller than an 8-bit memory tile (32 rows) is refused by name."""
     plans = {
         dtype: resolve_plan(
             EngineConfig(num_pages=16, kv_cache_dtype=dtype, attention_backend="reference"), TINY_CONFIG
@@ -153,10 +172,23 @@ def test_8bit_cache_bytes_and_backends():
         dtype: resolve_plan(dataclasses.replace(gb, kv_cache_dtype=dtype), TINY_CONFIG).num_pages for dtype in plans
     }
     assert abs(pages["int8"] - pages["bfloat16"] * 2 * d / (d + 4)) <= 1
-    tpu = EngineConfig(num_pages=16, kv_cache_dtype="int8", attention_backend="pallas_tpu", attention_interpret=True)
-    with pytest.raises(ConfigError, match="kv_cache_dtype = 'int8': attention_backend 'pallas_tpu' does not read"):
-        resolve_plan(tpu, TINY_CONFIG)
-    assert resolve_plan(dataclasses.replace(tpu, attention_backend="pallas_gpu"), TINY_CONFIG).kv_dtype == "int8"
+    on_tpu = EngineConfig(num_pages=16, kv_cache_dtype="int8", attention_backend="pallas_tpu", attention_interpret=True)
+    with pytest.raises(
+        ConfigError,
+        match="page_size = 16: attention_backend 'pallas_tpu' needs a multiple of 32 for a int8 KV cache.*use page_size 32, 64, 128",
+    ):
+        resolve_plan(on_tpu, TINY_CONFIG)
+    assert resolve_plan(dataclasses.replace(on_tpu, attention_backend="pallas_gpu"), TINY_CONFIG).kv_dtype == "int8"
+    # Its scales keep the kernels' layout only in whole tiles of 8 pages.
+    with pytest.raises(ConfigError, match="num_pages = 12: .* multiple of 8 .*use num_pages 8 or 16"):
+        resolve_plan(dataclasses.replace(on_tpu, page_size=32, num_pages=12), TINY_CONFIG)
+    gb_on_tpu = dataclasses.replace(on_tpu, page_size=32, num_pages=None, kv_cache_memory_gb=0.01)
+    assert resolve_plan(gb_on_tpu, TINY_CONFIG).num_pages % 8 == 0
+    layers, kv_heads = TINY_CONFIG.num_layers, TINY_CONFIG.num_kv_heads
+    for dtype, values, scales in (("int8", 1, 4 * 128 / 32), ("bfloat16", 2, 0)):
+        tpu_plan = resolve_plan(dataclasses.replace(on_tpu, page_size=32, kv_cache_dtype=dtype), TINY_CONFIG)
+        # head_dim 16 padded to 128 lanes; the scales' row of 32 to 128 lanes.
+        assert tpu_plan.kv_bytes_per_page == 2 * layers * kv_heads * 32 * (128 * values + scales)
     with pytest.raises(ConfigError, match="kv_cache_dtype.*int8, float8_e4m3fn"):
         EngineConfig(kv_cache_dtype="int4")
 
@@ -205,3 +237,20 @@ def test_engine_with_an_8bit_cache(tiny_model_dir, kv_dtype, backend):
     assert [r.output_token_ids for r in reqs] == expected
     assert all(r.num_cached_tokens >= 40 for r in reqs)
     assert llm.stats()["num_compiles"] == before and llm.stats()["kv_pages_held"] == 0
+
+
+def test_the_tpu_kernels_serve_an_8bit_cache(tiny_model_dir):
+    """The TPU kernels (interpret mode) in an engine with an int8 cache give the reference
+    backend's greedy tokens over the same quantized cache, with prefill chunks and decodes
+    in the same steps; every page returned."""
+    path, _ = tiny_model_dir("llama")
+    opts = dict(dtype="float32", page_size=32, num_pages=16, max_num_batched_tokens=32, min_token_bucket=32)
+    opts.update(max_num_seqs=4, kv_cache_dtype="int8", enable_prefix_caching=False, progress=False, warmup=False)
+    prompts = [rng_tokens(n, TINY["vocab_size"], seed=n) for n in (40, 3)]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ref = LLM(str(path), attention_backend="reference", **opts)
+    expected = [o.token_ids for o in ref.generate(prompts, greedy)]
+    llm = LLM(str(path), attention_backend="pallas_tpu", attention_interpret=True, **opts)
+    assert isinstance(llm.runner.kv_cache, QuantizedKV)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
+    assert llm.stats()["kv_pages_held"] == 0

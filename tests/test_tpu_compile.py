@@ -2,11 +2,12 @@
 against compile-only devices, so the tiling, alignment, VMEM and layout rules that
 interpret mode never applies are enforced on every change. No TPU is needed.
 
-- both TPU kernels (KV write + ragged paged attention) over a table of shapes, for
-  v5e, v6e and v5p;
-- the engine's whole step (model, KV write, attention, sampler) at the extreme bucket
-  pairs of the shipped TPU configs, weights abstract and sharded over the config's mesh
-  (`jaxserve compile` compiles every pair);
+- both TPU kernels (KV write + ragged paged attention) over a table of shapes, 8-bit
+  caches included, for v5e, v6e and v5p;
+- the engine's whole step (model, KV write, attention, sampler) at the largest bucket
+  pair of the shipped TPU configs, weights abstract and sharded over the config's mesh
+  (the smallest pair: the guide's dry runs, tests/test_docs.py; `jaxserve compile`
+  compiles every pair); int8 weights and an int8 KV cache on one v5e chip;
 - ``jaxserve compile`` refuses a config that cannot fit (its table: tests/test_docs.py, which
   runs the TPU VM guide's dry runs).
 """
@@ -27,6 +28,7 @@ from jaxserve.errors import ConfigError  # noqa: E402
 from pallas_kernels.ragged_paged_attention import tpu  # noqa: E402
 from tests.compile_only import (  # noqa: E402
     KERNEL_SHAPES,
+    KV8_SHAPES,
     ROOT,
     check_step_reports,
     compile_every_bucket,
@@ -40,9 +42,12 @@ CHIPS = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}
 
 @pytest.mark.parametrize("chip", list(CHIPS))
 def test_tpu_kernels_compile_over_the_shape_table(chip):
-    """v5e (the smallest VMEM, no bfloat16 VPU) over the whole table; v5p and v6e over
-    complementary halves of it (each half holds both dtypes), to keep CI's time."""
-    shapes = {"v5e": KERNEL_SHAPES, "v5p": KERNEL_SHAPES[::2], "v6e": KERNEL_SHAPES[1::2]}[chip]
+    """v5e (the smallest VMEM, no bfloat16 VPU) over the whole table and every 8-bit row
+    (pages of 32 and more: an 8-bit tile); v5p and v6e over complementary halves of both
+    (each half holds every dtype), to keep CI's time."""
+    kv8 = [shape for shape in KV8_SHAPES if shape[4] % 32 == 0]
+    table = KERNEL_SHAPES + kv8
+    shapes = {"v5e": table, "v5p": table[::2], "v6e": table[1::2]}[chip]
     assert not kernel_failures(tpu, CHIPS[chip], shapes)
 
 
@@ -83,27 +88,21 @@ def test_the_check_catches_a_one_row_bfloat16_write():
     compile_fn(_one_row_write, aot.target("v5e:2x2"), slots, ((2, 4, 128), jnp.float32), (cache, jnp.float32))
 
 
-def _extreme_pairs(compiler) -> list[tuple[int, int]]:
-    """The smallest and the largest bucket pair: the programs with the least and the most
-    of every dimension (tokens, sequences, and with them the attention plans' blocks)."""
-    every = compiler.plan.runner.bucket_pairs
-    return [min(every), max(every)]
-
-
 @pytest.mark.parametrize(
     "config, topology", [("llama3-8b-tpu-v5e.yaml", "v5e:2x2"), ("llama3-8b-tpu-v6e.yaml", "v6e:2x2")]
 )
-def test_shipped_tpu_configs_compile_their_extreme_bucket_pairs(config, topology):
-    """Each shipped TPU config's whole step at its extreme bucket pairs (every pair: ~2.5
-    min more of CI per config; `jaxserve compile --config configs/<config> --topology
-    <topology> --arch llama3-8b` compiles them all, and the guide's dry runs in
-    tests/test_docs.py one more each). The kernels' own rules per chip are checked over
+def test_shipped_tpu_configs_compile_their_largest_bucket_pair(config, topology):
+    """Each shipped TPU config's whole step at its largest bucket pair (the most of every
+    dimension: tokens, sequences, the attention plans' blocks). The smallest pair is the
+    guide's dry run of the same config (tests/test_docs.py); every pair: ~2.5 min more of
+    CI per config (`jaxserve compile --config configs/<config> --topology <topology>
+    --arch llama3-8b` compiles them all). The kernels' own rules per chip are checked over
     the whole shape table above."""
     compiler = config_compiler(config, topology)
     assert compiler.plan.backend.name == "pallas_tpu" and compiler.plan.kv_dtype == "bfloat16"
-    pairs = _extreme_pairs(compiler)
+    pairs = [max(compiler.plan.runner.bucket_pairs)]
     forwards, samplers = compile_every_bucket(compiler, pairs)
-    assert len(forwards) == 2 and samplers
+    assert len(forwards) == 1 and samplers
     check_step_reports(compiler, forwards, pairs)
 
 
@@ -112,17 +111,22 @@ def test_int8_llama3_8b_fits_one_v5e_chip():
     (the embedding and LM head stay bfloat16) take 9.1 GB, so the model and a 5 GiB KV
     cache fit one v5e chip (bfloat16: 16.1 GB of weights, refused). The int8 weights
     widen inside the dots' fusions: no program holds a temporary the size of a layer's
-    bfloat16 weights (gate + up: 117 MB)."""
-    compiler = config_compiler(
-        "llama3-8b-tpu-v5e.yaml", "v5e:2x2", overrides=("quantization=int8", "mesh.model=1", "kv_cache_memory_gb=5")
-    )
+    bfloat16 weights (gate + up: 117 MB). With ``kv_cache_dtype: int8`` the same 5 GiB
+    holds 1.78x the pages (int8 values, a 128-lane row of float32 scales a page: 2272
+    pages against 1280), and the scales stay in the layout the kernels read: no copy of
+    them (0.6 GB a call when XLA relaid them out) among the temporaries."""
+    overrides = ("quantization=int8", "mesh.model=1", "kv_cache_memory_gb=5")
+    compiler = config_compiler("llama3-8b-tpu-v5e.yaml", "v5e:2x2", overrides=(*overrides, "kv_cache_dtype=int8"))
     weights = aot.Workload.of(compiler).weight_bytes
     assert 9.0e9 < weights < 9.2e9, weights
     aot.check_fits(compiler, weights)
+    assert compiler.plan.kv_dtype == "int8" and compiler.plan.num_pages == 2272, compiler.plan.num_pages
     c = compiler.compile_forward(512, 64)  # the largest bucket pair
     assert c.peak_bytes < compiler.target.chip.hbm_bytes, c.peak_bytes
-    assert c.temp_bytes < 60e6, c.temp_bytes  # 7.5 MB; 125 MB with the widened weights in memory
+    assert c.alias_bytes >= compiler.kv_cache_bytes  # values and scales updated in place
+    assert c.temp_bytes < 60e6, c.temp_bytes  # 8.5 MB; 125 MB with the widened weights, 630 MB with relaid scales
     bf16 = config_compiler("llama3-8b-tpu-v5e.yaml", "v5e:2x2", overrides=("mesh.model=1", "kv_cache_memory_gb=5"))
+    assert bf16.plan.num_pages == 1280
     with pytest.raises(ConfigError, match="does not fit"):
         aot.check_fits(bf16, aot.Workload.of(bf16).weight_bytes)
 

@@ -31,6 +31,7 @@ from jaxserve.parallel import MODEL
 from pallas_kernels.ragged_paged_attention import BlockSizes, cpu, gpu, reference, tpu
 from pallas_kernels.ragged_paged_attention.common import QuantizedKV, is_quantized, kv_cache_bytes, new_kv_cache
 
+SUBLANES = tpu.SUBLANES
 BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu", "cpu")
 _KERNELS = {"pallas_tpu": tpu, "pallas_gpu": gpu, "cpu": cpu}
 _PLATFORM_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "cpu": "cpu"}
@@ -123,19 +124,41 @@ class AttentionBackend:
         """The array dtype holding a ``kv_dtype`` cache (the reference keeps bfloat16 as bits)."""
         return reference.storage_dtype(kv_dtype) if self.name in ("reference", "cpu") else jnp.dtype(kv_dtype)
 
-    def reads_kv_dtype(self, kv_dtype) -> bool:
-        """Whether this backend's kernels read a ``kv_dtype`` cache: 8-bit caches (int8,
-        float8_e4m3fn with per-token scales) all but the TPU kernels so far."""
-        return not is_quantized(kv_dtype) or self.name != "pallas_tpu"
+    def page_size_error(self, page_size: int, kv_dtype) -> str | None:
+        """Why ``page_size`` cannot hold a ``kv_dtype`` cache here, or None. The TPU kernels
+        move pages as whole memory tiles: 8 rows of 32-bit words, 16 of bfloat16, 32 of an
+        8-bit dtype (a smaller page would be padded to a tile in HBM anyway)."""
+        if self.name != "pallas_tpu":
+            return None
+        rows = tpu.tile_rows(self.kv_storage_dtype(kv_dtype))
+        if page_size % rows == 0:
+            return None
+        return (
+            f"page_size = {page_size}: attention_backend 'pallas_tpu' needs a multiple of {rows} for a "
+            f"{jnp.dtype(kv_dtype).name} KV cache (one TPU memory tile of it); use page_size "
+            f"{', '.join(str(n) for n in (8, 16, 32, 64, 128) if n % rows == 0)}"
+        )
+
+    def pages_multiple(self, kv_dtype) -> int:
+        """What the page count must be a multiple of: on TPU an 8-bit cache's scales
+        ``[..., num_pages, lanes]`` take XLA's default layout (the one the kernels read)
+        only when num_pages fills whole 8-sublane tiles; otherwise XLA's TPU compiler lays
+        the array out with another dim second-minor, and copies it whole into the kernels'
+        layout at every call."""
+        return SUBLANES if self.name == "pallas_tpu" and is_quantized(kv_dtype) else 1
+
+    def scale_lanes(self, page_size: int) -> int:
+        """Lanes of a page's row of scales in an 8-bit cache (``common.scales_shape``)."""
+        return tpu.scale_lanes(page_size) if self.name == "pallas_tpu" else page_size
 
     def new_kv_cache(self, shape: tuple[int, ...], kv_dtype) -> jax.Array | QuantizedKV:
         """A zeroed cache of ``shape`` (``kv_cache_shape``) holding ``kv_dtype``."""
-        return new_kv_cache(shape, self.kv_storage_dtype(kv_dtype))
+        return new_kv_cache(shape, self.kv_storage_dtype(kv_dtype), self.scale_lanes(shape[3]))
 
     def kv_bytes_per_page(self, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, kv_dtype):
         """Bytes one page takes across all layers and heads, padding and scales included."""
         shape = self.kv_cache_shape(num_layers, 2, page_size, num_kv_heads, head_dim)
-        return kv_cache_bytes(shape, self.kv_storage_dtype(kv_dtype)) // 2
+        return kv_cache_bytes(shape, self.kv_storage_dtype(kv_dtype), self.scale_lanes(page_size)) // 2
 
     def write_kv(self, kv_cache, layer, slot_mapping, k, v):
         if self.name == "reference":

@@ -87,8 +87,9 @@ QUANTIZED_KV_DTYPES = {"int8": 127.0, "float8_e4m3fn": 448.0}
 @dataclasses.dataclass(frozen=True)
 class QuantizedKV:
     """An 8-bit KV cache: ``values`` in the backend's KV layout (int8 or float8_e4m3fn)
-    and one float32 scale per token and head, ``scales[2*Hkv, L, num_pages, page_size]``;
-    a row reads as ``values * scale``.
+    and one float32 scale per token and head, ``scales[2*Hkv, L, num_pages, page_size]``
+    (on TPU each page's row padded to 128 lanes: ``scales_shape``); a row reads as
+    ``values * scale``.
 
     Why per token and head: a page fills one token at a time, so a per-page scale fixed
     by its first token could not hold a later, larger one without rewriting the page's
@@ -131,17 +132,25 @@ def quantize_rows(x: jax.Array, kv_dtype) -> tuple[jax.Array, jax.Array]:
     return values, scale
 
 
-def new_kv_cache(shape: tuple[int, ...], storage_dtype) -> jax.Array | QuantizedKV:
+def scales_shape(shape: tuple[int, ...], scale_lanes: int | None = None) -> tuple[int, ...]:
+    """The scales of an 8-bit cache of ``shape``: ``[2*Hkv, L, num_pages, scale_lanes]``,
+    where a page's ``page_size`` scales come first in its row (``scale_lanes`` defaults to
+    page_size; the TPU backend pads the row to whole 128-lane vectors)."""
+    return (*shape[:3], scale_lanes or shape[3])
+
+
+def new_kv_cache(shape: tuple[int, ...], storage_dtype, scale_lanes: int | None = None) -> jax.Array | QuantizedKV:
     """A zeroed cache of ``shape`` (the backend's KV layout); 8-bit dtypes with their scales."""
     if is_quantized(storage_dtype):
-        return QuantizedKV(jnp.zeros(shape, storage_dtype), jnp.zeros(shape[:-1], jnp.float32))
+        scales = jnp.zeros(scales_shape(shape, scale_lanes), jnp.float32)
+        return QuantizedKV(jnp.zeros(shape, storage_dtype), scales)
     return jnp.zeros(shape, storage_dtype)
 
 
-def kv_cache_bytes(shape: tuple[int, ...], storage_dtype) -> int:
+def kv_cache_bytes(shape: tuple[int, ...], storage_dtype, scale_lanes: int | None = None) -> int:
     """Bytes of a cache of ``shape`` (the KV layout), a quantized cache's scales included."""
     values = math.prod(shape) * jnp.dtype(storage_dtype).itemsize
-    return values + (math.prod(shape[:-1]) * 4 if is_quantized(storage_dtype) else 0)
+    return values + (math.prod(scales_shape(shape, scale_lanes)) * 4 if is_quantized(storage_dtype) else 0)
 
 
 def _is_int(value) -> bool:
