@@ -280,8 +280,8 @@ def resolve_matmul(option: str, weight_dtype: str, platform: str, *, sharded: bo
         why_not = "it runs on one CPU device, not a mesh"
     elif weight_dtype not in cpu_matmul.DTYPES:
         why_not = f"weight_dtype {weight_dtype!r} is not one of {', '.join(cpu_matmul.DTYPES)}"
-    elif not cpu_matmul.available():
-        why_not = cpu_matmul.build_error()
+    elif not cpu_matmul.available(weight_dtype):
+        why_not = cpu_matmul.build_error(weight_dtype)
     if option == "onednn":
         if why_not:
             raise ConfigError(f"matmul_backend 'onednn': {why_not}; use matmul_backend: xla or auto")

@@ -16,6 +16,13 @@
 // with one primitive per row count over it (cached). The layout fixes how K is blocked,
 // so a row's output does not depend on how many rows share the call, from 8 rows up
 // (tests/test_cpu_matmul.py; the model never calls with fewer).
+//
+// Without AVX-512, oneDNN 3.2 runs float32 through its GEMM on plain weights ("gemm:jit"),
+// which switches from its no-copy kernel to a copy-based one, with another summation
+// order, once 1/N + 1/M < 0.0038 in BLAS terms (gemm_driver.cpp's nocopy_checker_avx2:
+// N = our rows, M = the slice's columns). Any call of at most kMaxGemmRows = 256 rows stays
+// on the no-copy kernel whatever the width, so the GEMM path runs larger calls as balanced
+// row blocks of at most 256 (each >= 128): a row's bits stay independent of its batch.
 
 #include <omp.h>
 
@@ -43,6 +50,7 @@ using dt = dnnl::memory::data_type;
 using tag = dnnl::memory::format_tag;
 
 constexpr int64_t kPackRows = 32;  // the row count whose preferred weight layout is used
+constexpr int64_t kMaxGemmRows = 256;  // rows per call on oneDNN's plain GEMM (see above)
 
 dnnl::engine& Engine() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
@@ -62,6 +70,7 @@ dnnl::memory::desc PackedDesc(int64_t k, int64_t n, bool f32) {
 struct Entry {
   dnnl::memory::desc src, weights, dst, scratchpad;
   dnnl::matmul primitive;
+  bool gemm;  // oneDNN's plain GEMM ("gemm:jit..."): calls of at most kMaxGemmRows rows
 };
 
 // One primitive per (rows, K, column slice width, weight type), built on first use.
@@ -83,6 +92,7 @@ std::shared_ptr<const Entry> Primitive(int64_t m, int64_t k, int64_t n, bool f32
   dnnl::matmul::primitive_desc pd(Engine(), entry->src, entry->weights, entry->dst, attr);
   entry->scratchpad = pd.scratchpad_desc();
   entry->primitive = dnnl::matmul(pd);
+  entry->gemm = std::string(pd.impl_info_str()).rfind("gemm", 0) == 0;
   cache.emplace(key, entry);
   return entry;
 }
@@ -107,9 +117,17 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> p
   const int64_t m = xd[0], k = xd[1], slices = od[0], width = od[2];
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument("layer " + std::to_string(l) + " is not in packed");
-  std::shared_ptr<const Entry> entry;
+  // Row blocks: the whole call, or on the plain GEMM balanced blocks of <= kMaxGemmRows
+  // (block b has rows [b * m / blocks, (b + 1) * m / blocks): two sizes at most).
+  std::shared_ptr<const Entry> entry, small, large;
+  int64_t blocks = 1;
   try {
     entry = Primitive(m, k, width, f32);
+    if (entry->gemm && m > kMaxGemmRows) {
+      blocks = (m + kMaxGemmRows - 1) / kMaxGemmRows;
+      small = Primitive(m / blocks, k, width, f32);
+      large = m % blocks ? Primitive(m / blocks + 1, k, width, f32) : small;
+    }
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("oneDNN matmul: ") + e.what());
   }
@@ -123,27 +141,31 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> p
   std::atomic<bool> failed{false};
   std::string error;
   std::mutex error_mu;
-  auto run = [&](int i) {
+  const size_t x_row_bytes = static_cast<size_t>(k) * (f32 ? 4 : 2);
+  auto run = [&](int item) {
     try {
       // oneDNN's OpenMP team stays off: the pool's threads are the parallelism.
       thread_local bool single_threaded = (omp_set_num_threads(1), true);
       (void)single_threaded;
+      const int64_t i = item / blocks, b = item % blocks;
+      const int64_t row = b * m / blocks, rows = (b + 1) * m / blocks - row;
+      const Entry& e = blocks == 1 ? *entry : rows == m / blocks ? *small : *large;
       thread_local dnnl::stream stream(Engine());
-      dnnl::memory a(entry->src, Engine(), x.untyped_data());
-      dnnl::memory w(entry->weights, Engine(), const_cast<uint8_t*>(bytes + i * slice_bytes));
-      dnnl::memory c(entry->dst, Engine(), out->typed_data() + i * m * width);
+      dnnl::memory a(e.src, Engine(), static_cast<char*>(x.untyped_data()) + row * x_row_bytes);
+      dnnl::memory w(e.weights, Engine(), const_cast<uint8_t*>(bytes + i * slice_bytes));
+      dnnl::memory c(e.dst, Engine(), out->typed_data() + (i * m + row) * width);
       thread_local std::vector<uint8_t> scratch;
-      scratch.resize(std::max<size_t>(scratch.size(), entry->scratchpad.get_size()));
-      dnnl::memory pad(entry->scratchpad, Engine(), scratch.data());
-      entry->primitive.execute(stream,
-                               {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, w}, {DNNL_ARG_DST, c}, {DNNL_ARG_SCRATCHPAD, pad}});
+      scratch.resize(std::max<size_t>(scratch.size(), e.scratchpad.get_size()));
+      dnnl::memory pad(e.scratchpad, Engine(), scratch.data());
+      e.primitive.execute(stream,
+                          {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, w}, {DNNL_ARG_DST, c}, {DNNL_ARG_SCRATCHPAD, pad}});
       stream.wait();
     } catch (const dnnl::error& e) {
       std::lock_guard<std::mutex> lock(error_mu);
       if (!failed.exchange(true)) error = e.what();
     }
   };
-  jaxserve::RunOnPool(pool, static_cast<int>(slices), run);
+  jaxserve::RunOnPool(pool, static_cast<int>(slices * blocks), run);
   if (failed) return ffi::Error::Internal("oneDNN matmul: " + error);
   return ffi::Error::Success();
 }

@@ -49,21 +49,32 @@ def _lib() -> tuple[ctypes.CDLL | None, str]:
     lib.JaxserveMatmulImpl.restype = ctypes.c_char_p
     lib.JaxserveMatmulImpl.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.JaxserveLastError.restype = ctypes.c_char_p
-    # Without AVX-512 (an AVX2 CPU) oneDNN 3.2 has no packed bfloat16 kernel at all.
-    for dtype, f32 in (("bfloat16", 0), ("float32", 1)):
-        probe = lib.JaxserveMatmulImpl(32, 64, 64, f32).decode()
-        if not probe or probe.startswith("ref"):
-            return None, f"oneDNN has no fast {dtype} matmul on this CPU ({probe or 'none'})"
     return lib, ""
 
 
-def available() -> bool:
-    """Whether the kernel is built, registered and fast here (builds it on first call)."""
-    return _lib()[0] is not None
+@functools.cache
+def _unavailable(dtype: str) -> str:
+    """Why the kernel cannot run ``dtype`` weights fast here ("" if it can)."""
+    lib, error = _lib()
+    if lib is None:
+        return error
+    # Without AVX-512 (an AVX2 CPU) oneDNN 3.2 has no bfloat16 matmul at all; float32 runs
+    # its AVX2 GEMM ("gemm:jit:f32": weights kept plain, still read in place per layer).
+    probe = lib.JaxserveMatmulImpl(32, 64, 64, _is_f32(dtype)).decode()
+    if not probe or probe.startswith("ref"):
+        return f"oneDNN has no fast {dtype} matmul on this CPU ({probe or 'none'})"
+    return ""
 
 
-def build_error() -> str:
-    return _lib()[1]
+def available(dtype) -> bool:
+    """Whether the kernel is built, registered and fast here for ``dtype`` weights (builds
+    it on first call)."""
+    return jnp.dtype(dtype).name in DTYPES and not _unavailable(jnp.dtype(dtype).name)
+
+
+def build_error(dtype) -> str:
+    name = jnp.dtype(dtype).name
+    return _unavailable(name) if name in DTYPES else f"weights are one of {', '.join(DTYPES)}, not {name}"
 
 
 def _checked() -> ctypes.CDLL:

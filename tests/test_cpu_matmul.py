@@ -14,18 +14,25 @@ from jaxserve.errors import ConfigError
 from jaxserve.plan import resolve_matmul
 from pallas_kernels import cpu_matmul
 
-pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="oneDNN matmul unavailable here")
+pytestmark = pytest.mark.skipif(not cpu_matmul.available("float32"), reason="oneDNN matmul unavailable here")
+# bfloat16 weights need AVX-512 (oneDNN 3.2 has no bfloat16 matmul on an AVX2 CPU).
+BF16 = pytest.param(
+    ml_dtypes.bfloat16,
+    marks=pytest.mark.skipif(not cpu_matmul.available("bfloat16"), reason="no oneDNN bfloat16 matmul on this CPU"),
+)
 
 # SmolLM2's layer shapes (fused q|k|v, o, gate|up, down), a tiny test model's, and its head.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (64, 96), (96, 64), (576, 49152)]
-ROWS = (8, 9, 16, 32, 64, 100, 512)
+# Past 256 rows oneDNN's plain GEMM (float32 without AVX-512) would change kernels; the
+# matmul runs such calls as row blocks of <= 256 (cpu_matmul.cc).
+ROWS = (8, 9, 16, 32, 64, 100, 300, 512)
 
 
 def _weight(k: int, n: int, dtype, seed: int = 0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal((k, n)) * 0.05).astype(dtype)
 
 
-@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32])
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
 @pytest.mark.parametrize("k, n", SHAPES[:4])
 def test_matches_xla_dot(k, n, dtype):
     w = _weight(k, n, dtype)
@@ -39,25 +46,29 @@ def test_matches_xla_dot(k, n, dtype):
     np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max())
 
 
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
 @pytest.mark.parametrize("k, n", SHAPES)
-def test_a_row_does_not_depend_on_the_rows_beside_it(k, n):
+def test_a_row_does_not_depend_on_the_rows_beside_it(k, n, dtype):
     """The same input row inside calls of 8 to 512 rows gives the same bits: the packed
-    layout fixes the order of every sum (the head pads to 8 rows; see llama.py)."""
-    stack = jnp.asarray(cpu_matmul.pack(_weight(k, n, ml_dtypes.bfloat16))[None])
+    layout fixes the order of every sum (the head pads to 8 rows; see llama.py), and on
+    oneDNN's plain GEMM the row blocks keep it on one kernel."""
+    stack = jnp.asarray(cpu_matmul.pack(_weight(k, n, dtype))[None])
     rng = np.random.default_rng(2)
     row = rng.standard_normal(k).astype(np.float32)
-    f = jax.jit(lambda x: cpu_matmul.matmul(x, stack, 0, n, "bfloat16"))
+    # The packed weight is an argument: closed over, its bytes would be a constant that
+    # XLA folds into every compile (3 s each for the head's 113 MB).
+    f = jax.jit(lambda x, packed: cpu_matmul.matmul(x, packed, 0, n, dtype))
     outs = []
-    for m in ROWS if n < 10_000 else ROWS[:-1]:
+    for m in ROWS:
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[m // 2] = row
-        outs.append(np.asarray(f(jnp.asarray(x)))[m // 2])
+        outs.append(np.asarray(f(jnp.asarray(x), stack))[m // 2])
     for other in outs[1:]:
         np.testing.assert_array_equal(outs[0], other)
 
 
 def test_bad_inputs_are_refused_by_name():
-    w = _weight(64, 96, ml_dtypes.bfloat16)
+    w = _weight(64, 96, np.float32)
     stack = jnp.asarray(cpu_matmul.pack(w)[None])
     x = jnp.ones((8, 64), jnp.float32)
     with pytest.raises(ValueError, match="packed weights are one of float32, bfloat16, not float16"):
@@ -65,16 +76,22 @@ def test_bad_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match=r"\[K, N\]"):
         cpu_matmul.pack(np.ones((2, 3, 4), np.float32))
     with pytest.raises(Exception, match="bytes per layer"):  # a weight packed for another shape
-        np.asarray(cpu_matmul.matmul(x, stack, 0, 960, "bfloat16"))
+        np.asarray(cpu_matmul.matmul(x, stack, 0, 960, "float32"))
     with pytest.raises(Exception, match="layer 3 is not in packed"):
-        np.asarray(cpu_matmul.matmul(x, stack, 3, 96, "bfloat16"))
+        np.asarray(cpu_matmul.matmul(x, stack, 3, 96, "float32"))
 
 
 def test_matmul_backend_option():
     """onednn where it cannot run is one error naming the option; auto falls back."""
     assert resolve_matmul("xla", "bfloat16", "cpu", sharded=False) == "xla"
-    assert resolve_matmul("onednn", "bfloat16", "cpu", sharded=False) == "onednn"
+    assert resolve_matmul("onednn", "float32", "cpu", sharded=False) == "onednn"
     assert resolve_matmul("auto", "float32", "cpu", sharded=False) == "onednn"
+    if cpu_matmul.available("bfloat16"):
+        assert resolve_matmul("onednn", "bfloat16", "cpu", sharded=False) == "onednn"
+    else:  # an AVX2 CPU: bfloat16 weights go to XLA's dots, or are one error naming why
+        assert resolve_matmul("auto", "bfloat16", "cpu", sharded=False) == "xla"
+        with pytest.raises(ConfigError, match="matmul_backend 'onednn': oneDNN has no fast bfloat16 matmul"):
+            resolve_matmul("onednn", "bfloat16", "cpu", sharded=False)
     assert resolve_matmul("auto", "float16", "cpu", sharded=False) == "xla"
     assert resolve_matmul("auto", "bfloat16", "cpu", sharded=True) == "xla"
     for args, why in (
@@ -84,6 +101,6 @@ def test_matmul_backend_option():
         with pytest.raises(ConfigError, match=f"matmul_backend 'onednn': {why}"):
             resolve_matmul("onednn", *args, sharded=False)
     with pytest.raises(ConfigError, match="one CPU device, not a mesh"):
-        resolve_matmul("onednn", "bfloat16", "cpu", sharded=True)
+        resolve_matmul("onednn", "float32", "cpu", sharded=True)
     with pytest.raises(ConfigError, match="matmul_backend"):
         EngineConfig(matmul_backend="mkl")

@@ -12,7 +12,7 @@ from jaxserve.runner.batch import ScheduledSeq
 from pallas_kernels import cpu_matmul
 from tests.conftest import TINY_ARCHS, rng_tokens
 
-needs_onednn = pytest.mark.skipif(not cpu_matmul.available(), reason="oneDNN matmul unavailable here")
+needs_onednn = pytest.mark.skipif(not cpu_matmul.available("bfloat16"), reason="no oneDNN bfloat16 matmul here")
 
 
 def _llm(path, **kw) -> LLM:

@@ -121,10 +121,6 @@ def int8_weights(
     return Int8Weights(tuple(layouts.items()), compute_dtype)
 
 
-def _onednn_head(weight_dtype: str) -> bool:
-    return weight_dtype in cpu_matmul.DTYPES and cpu_matmul.available()
-
-
 def abstract_model(
     cfg: ModelConfig,
     dtype: str = "float32",
@@ -163,7 +159,7 @@ def abstract_model(
             packed=(INT8_BLOBS if quant is not None else weight_dtype) if packed else None,
             quant=quant,
             # The LM head stays weight_dtype under int8: packed for oneDNN where it runs.
-            packed_head=weight_dtype if packed and quant is not None and _onednn_head(weight_dtype) else None,
+            packed_head=weight_dtype if packed and quant is not None and cpu_matmul.available(weight_dtype) else None,
         )
     )
     return cfg, model

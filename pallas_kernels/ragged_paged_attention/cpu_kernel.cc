@@ -22,6 +22,9 @@
 // on the tile or the batch around it, so a token's output is bit-identical however it
 // was batched, whether as a decode or inside a prefill chunk.
 //
+// Without AVX-512 the hot loops work on 8-lane halves of the same vectors (GCC's code for
+// 16-lane vectors on AVX2 spills them), with bitwise the same arithmetic.
+//
 // A bfloat16 cache on a CPU with AMX (cpu_amx.h) runs the same tiles on the tile unit
 // instead (AmxTileRunner): the two products as bfloat16 tile products, the float32
 // operands split into bfloat16 hi + lo pairs, the same softmax. Every row of such a cache
@@ -170,23 +173,25 @@ inline float MaxLanes(Lanes v) {
 #define JAXSERVE_FMA __attribute__((optimize("fp-contract=fast")))
 
 // exp(x) lane-wise for x <= 0 (Cephes expf: Cody-Waite reduction + degree-6 polynomial,
-// ~1 ulp), in 16-lane vector arithmetic: every lane is computed by the same operations.
-JAXSERVE_FMA inline Lanes ExpNonPositive(Lanes x) {
-  const Lanes floor_at = Lanes{} - 87.0f;
+// ~1 ulp), in vector arithmetic (V: 16 or 8 float lanes, I: as many int32 lanes): every
+// lane is computed by the same operations.
+template <typename V = Lanes, typename I = Ints>
+JAXSERVE_FMA inline V ExpNonPositive(V x) {
+  const V floor_at = V{} - 87.0f;
   x = x < floor_at ? floor_at : x;
-  const Lanes y = x * 1.44269504088896341f + 0.5f;
-  const Lanes t = __builtin_convertvector(__builtin_convertvector(y, Ints), Lanes);  // toward zero
-  const Lanes n = t > y ? t - 1.0f : t;                                              // floor
-  const Lanes r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  Lanes p = Lanes{} + 1.9875691500e-4f;
+  const V y = x * 1.44269504088896341f + 0.5f;
+  const V t = __builtin_convertvector(__builtin_convertvector(y, I), V);  // toward zero
+  const V n = t > y ? t - 1.0f : t;                                       // floor
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const Ints bits = (__builtin_convertvector(n, Ints) + 127) << 23;
-  Lanes scale;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
@@ -263,6 +268,61 @@ inline Lanes Reduce16(const Lanes* acc) {
          __builtin_shufflevector(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
+// Without AVX-512, GCC compiles 16-lane vectors held in arrays badly (each moved through
+// general registers 8 bytes at a time: a decode step's attention took 2.7x as long on a
+// Zen 2), so the hot functions (softmax, scores, p * V) work on 8-lane halves there, one
+// AVX2 register each, with the very same lane-wise arithmetic: the results are bitwise
+// those of the 16-lane code. Lanes8 is SumLanes' half, defined above.
+typedef int32_t Ints8 __attribute__((vector_size(8 * sizeof(int32_t))));
+
+inline Lanes8 Half(const float* p) {
+  Lanes8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// SoftmaxRow (below) on halves: the same lane-wise operations, the same maximum (exact in
+// any order) and the same tree for the sum (SumLanes adds the halves first).
+
+template <typename Store>
+JAXSERVE_FMA inline float SoftmaxRowHalves(const float* s, int32_t base, int32_t lo, int32_t pos, Store&& store) {
+  Ints8 iota;
+  for (int i = 0; i < 8; ++i) iota[i] = i;
+  const Lanes8 minus_inf = Lanes8{} - INFINITY;
+  const int32_t g_lo = (lo - base) / kLanes, g_hi = (pos - base) / kLanes;
+  auto visible = [&](int32_t first) { return ((iota + first) >= lo) & ((iota + first) <= pos); };
+  Lanes8 mv = minus_inf;
+  for (int32_t g = g_lo; g <= g_hi; ++g) {
+    const int32_t first = base + g * kLanes;
+    for (int h = 0; h < 2; ++h) {
+      Lanes8 v;
+      std::memcpy(&v, s + g * kLanes + 8 * h, sizeof v);
+      if (g == g_lo || g == g_hi) v = visible(first + 8 * h) ? v : minus_inf;
+      mv = mv > v ? mv : v;
+    }
+  }
+  float m = mv[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, mv[i]);
+  Lanes8 sum_lo{}, sum_hi{};
+  for (int32_t g = g_lo; g <= g_hi; ++g) {
+    const int32_t first = base + g * kLanes;
+    Lanes8 v[2];
+    for (int h = 0; h < 2; ++h) {
+      std::memcpy(&v[h], s + g * kLanes + 8 * h, sizeof v[h]);
+      v[h] = ExpNonPositive<Lanes8, Ints8>(v[h] - m);
+      if (g == g_lo || g == g_hi) v[h] = visible(first + 8 * h) ? v[h] : Lanes8{};
+    }
+    Lanes p;
+    std::memcpy(&p, v, sizeof p);
+    store(g, p);
+    sum_lo += v[0];
+    sum_hi += v[1];
+  }
+  const Lanes4 v4 = AddHalves<Lanes4>(sum_lo + sum_hi);
+  const float v2[2] = {v4[0] + v4[2], v4[1] + v4[3]};
+  return v2[0] + v2[1];
+}
+
 // Softmax of one row over its own positions [lo, pos], exactly (two passes, no online
 // rescaling), a group of 16 at a time: position j is lane j % 16 of the row's partial sums,
 // whatever the tile. s holds the row's scores from position base (a multiple of 16) on.
@@ -270,6 +330,9 @@ inline Lanes Reduce16(const Lanes* acc) {
 // (so the p * V step adds nothing for them). Returns the sum of the probabilities.
 template <typename Store>
 JAXSERVE_FMA inline float SoftmaxRow(const float* s, int32_t base, int32_t lo, int32_t pos, Store&& store) {
+#ifndef __AVX512F__
+  return SoftmaxRowHalves(s, base, lo, pos, store);
+#else
   Ints iota;
   for (int i = 0; i < kLanes; ++i) iota[i] = i;
   const Lanes minus_inf = Lanes{} - INFINITY;
@@ -294,13 +357,64 @@ JAXSERVE_FMA inline float SoftmaxRow(const float* s, int32_t base, int32_t lo, i
     sum += v;
   }
   return SumLanes(sum);
+#endif
 }
 
 
-// 16 scores of one row: keys [16][chunks] against the row's scaled query [chunks].
+// Reduce16 on halves: acc[j] is key j's 16 partial sums as lo (lanes 0-7) and hi (8-15);
+// out gets the 16 scores. Each level adds exactly the lanes Reduce16 adds.
+inline void Reduce16Halves(const Lanes8* lo, const Lanes8* hi, float* out) {
+  static constexpr int kRev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  Lanes8 w_lo[8], w_hi[8], x_lo[4], x_hi[4], y_lo[2], y_hi[2];
+  for (int i = 0; i < 8; ++i) {
+    const int a = kRev[2 * i], b = kRev[2 * i + 1];
+    w_lo[i] = lo[a] + hi[a];
+    w_hi[i] = lo[b] + hi[b];
+  }
+  for (int i = 0; i < 4; ++i) {
+    const Lanes8 *a = &w_lo[2 * i], *b = &w_lo[2 * i + 1];
+    x_lo[i] = __builtin_shufflevector(*a, *b, 0, 1, 2, 3, 8, 9, 10, 11) +
+              __builtin_shufflevector(*a, *b, 4, 5, 6, 7, 12, 13, 14, 15);
+    a = &w_hi[2 * i], b = &w_hi[2 * i + 1];
+    x_hi[i] = __builtin_shufflevector(*a, *b, 0, 1, 2, 3, 8, 9, 10, 11) +
+              __builtin_shufflevector(*a, *b, 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const Lanes8 *a = &x_lo[2 * i], *b = &x_lo[2 * i + 1];
+    y_lo[i] = __builtin_shufflevector(*a, *b, 0, 1, 8, 9, 4, 5, 12, 13) +
+              __builtin_shufflevector(*a, *b, 2, 3, 10, 11, 6, 7, 14, 15);
+    a = &x_hi[2 * i], b = &x_hi[2 * i + 1];
+    y_hi[i] = __builtin_shufflevector(*a, *b, 0, 1, 8, 9, 4, 5, 12, 13) +
+              __builtin_shufflevector(*a, *b, 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  const Lanes8 out_lo = __builtin_shufflevector(y_lo[0], y_lo[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+                        __builtin_shufflevector(y_lo[0], y_lo[1], 1, 9, 3, 11, 5, 13, 7, 15);
+  const Lanes8 out_hi = __builtin_shufflevector(y_hi[0], y_hi[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+                        __builtin_shufflevector(y_hi[0], y_hi[1], 1, 9, 3, 11, 5, 13, 7, 15);
+  std::memcpy(out, &out_lo, sizeof out_lo);
+  std::memcpy(out + 8, &out_hi, sizeof out_hi);
+}
+
+// 16 scores of one row into out: keys [16][chunks] against the row's scaled query [chunks].
 template <int C>
-JAXSERVE_FMA inline Lanes GroupScores(const Lanes* q, const Lanes* keys, int64_t chunks) {
+JAXSERVE_FMA inline void GroupScores(const Lanes* q, const Lanes* keys, int64_t chunks, float* out) {
   const int64_t n = C > 0 ? C : chunks;
+#ifndef __AVX512F__
+  const float* qf = reinterpret_cast<const float*>(q);
+  const float* kf = reinterpret_cast<const float*>(keys);
+  Lanes8 lo[kLanes], hi[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    const float* k = kf + j * n * kLanes;
+    Lanes8 a = Half(qf) * Half(k), b = Half(qf + 8) * Half(k + 8);
+    for (int64_t c = 1; c < n; ++c) {
+      a = Half(qf + c * kLanes) * Half(k + c * kLanes) + a;
+      b = Half(qf + c * kLanes + 8) * Half(k + c * kLanes + 8) + b;
+    }
+    lo[j] = a;
+    hi[j] = b;
+  }
+  Reduce16Halves(lo, hi, out);
+#else
   Lanes acc[kLanes];
   for (int j = 0; j < kLanes; ++j) {
     const Lanes* k = keys + j * n;
@@ -308,13 +422,38 @@ JAXSERVE_FMA inline Lanes GroupScores(const Lanes* q, const Lanes* keys, int64_t
     for (int64_t c = 1; c < n; ++c) a = q[c] * k[c] + a;
     acc[j] = a;
   }
-  return Reduce16(acc);
+  const Lanes scores = Reduce16(acc);
+  std::memcpy(out, &scores, sizeof scores);
+#endif
 }
 
 // acc[r] += sum over the group's 16 keys j, in ascending order, of p[r][j] * V[j], for R
 // rows. A probability of 0 (outside the row's positions) adds an exact zero.
+//
+// With AVX-512 the R x C accumulators (R * C registers of 16 lanes) stay in registers for
+// the whole group. A 16-lane vector is two AVX2 registers, and AVX2 has 16: R x C = 16
+// accumulators would be 32 and spill on every product (a third of a decode step's
+// attention time on a Zen 2). Without AVX-512 the group is therefore taken an 8-lane half
+// of a chunk of head_dim at a time: R accumulators (R registers) per half. Each output
+// lane still sums its 16 products in ascending key order, so the result is the same.
 template <int C, int R>
 JAXSERVE_FMA inline void GroupValues(Lanes* acc, const float* const* p, const Lanes* values, int64_t chunks) {
+#ifndef __AVX512F__
+  if constexpr (C > 0) {
+    float* accf = reinterpret_cast<float*>(acc);
+    const float* vf = reinterpret_cast<const float*>(values);
+    for (int h = 0; h < 2 * C; ++h) {  // each 8-lane half of head_dim
+      Lanes8 a[R];
+      for (int r = 0; r < R; ++r) a[r] = Half(accf + r * C * kLanes + h * 8);
+      for (int j = 0; j < kLanes; ++j) {
+        const Lanes8 v = Half(vf + j * C * kLanes + h * 8);
+        for (int r = 0; r < R; ++r) a[r] = p[r][j] * v + a[r];
+      }
+      for (int r = 0; r < R; ++r) std::memcpy(accf + r * C * kLanes + h * 8, &a[r], sizeof a[r]);
+    }
+    return;
+  }
+#endif
   if constexpr (C > 0) {
     Lanes a[R][C];
     for (int r = 0; r < R; ++r)
@@ -383,8 +522,7 @@ class TileRunner {
       LoadGroup(t.seq, t.kv_head, first, jlo, jhi);
       for (int r = 0; r < rows; ++r) {
         if (first > pos_[r] || first + kLanes <= lo_[r]) continue;
-        const Lanes s = GroupScores<C>(&qs_[r * chunks], group_.data(), chunks);
-        std::memcpy(&scores_[r * width + g * kLanes], &s, sizeof s);
+        GroupScores<C>(&qs_[r * chunks], group_.data(), chunks, &scores_[r * width + g * kLanes]);
       }
     }
 
