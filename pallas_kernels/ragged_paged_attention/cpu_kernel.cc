@@ -361,38 +361,34 @@ JAXSERVE_FMA inline float SoftmaxRow(const float* s, int32_t base, int32_t lo, i
 }
 
 
+// Reduce16's levels 2-4 on one 8-lane half (Reduce16's 16-lane shuffles never cross the
+// halves): each adds the same lanes Reduce16 adds.
+inline Lanes8 Level2(Lanes8 a, Lanes8 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+inline Lanes8 Level3(Lanes8 a, Lanes8 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+}
+inline Lanes8 Level4(Lanes8 a, Lanes8 b) {
+  return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) + __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+}
+
 // Reduce16 on halves: acc[j] is key j's 16 partial sums as lo (lanes 0-7) and hi (8-15);
-// out gets the 16 scores. Each level adds exactly the lanes Reduce16 adds.
+// out gets the 16 scores. Level 1 adds each key's hi half to its lo half.
 inline void Reduce16Halves(const Lanes8* lo, const Lanes8* hi, float* out) {
   static constexpr int kRev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-  Lanes8 w_lo[8], w_hi[8], x_lo[4], x_hi[4], y_lo[2], y_hi[2];
+  Lanes8 w[2][8], x[2][4], y[2][2];  // [lo / hi half of the result][...]
   for (int i = 0; i < 8; ++i) {
     const int a = kRev[2 * i], b = kRev[2 * i + 1];
-    w_lo[i] = lo[a] + hi[a];
-    w_hi[i] = lo[b] + hi[b];
+    w[0][i] = lo[a] + hi[a];
+    w[1][i] = lo[b] + hi[b];
   }
-  for (int i = 0; i < 4; ++i) {
-    const Lanes8 *a = &w_lo[2 * i], *b = &w_lo[2 * i + 1];
-    x_lo[i] = __builtin_shufflevector(*a, *b, 0, 1, 2, 3, 8, 9, 10, 11) +
-              __builtin_shufflevector(*a, *b, 4, 5, 6, 7, 12, 13, 14, 15);
-    a = &w_hi[2 * i], b = &w_hi[2 * i + 1];
-    x_hi[i] = __builtin_shufflevector(*a, *b, 0, 1, 2, 3, 8, 9, 10, 11) +
-              __builtin_shufflevector(*a, *b, 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int h = 0; h < 2; ++h) {
+    for (int i = 0; i < 4; ++i) x[h][i] = Level2(w[h][2 * i], w[h][2 * i + 1]);
+    for (int i = 0; i < 2; ++i) y[h][i] = Level3(x[h][2 * i], x[h][2 * i + 1]);
+    const Lanes8 o = Level4(y[h][0], y[h][1]);
+    std::memcpy(out + 8 * h, &o, sizeof o);
   }
-  for (int i = 0; i < 2; ++i) {
-    const Lanes8 *a = &x_lo[2 * i], *b = &x_lo[2 * i + 1];
-    y_lo[i] = __builtin_shufflevector(*a, *b, 0, 1, 8, 9, 4, 5, 12, 13) +
-              __builtin_shufflevector(*a, *b, 2, 3, 10, 11, 6, 7, 14, 15);
-    a = &x_hi[2 * i], b = &x_hi[2 * i + 1];
-    y_hi[i] = __builtin_shufflevector(*a, *b, 0, 1, 8, 9, 4, 5, 12, 13) +
-              __builtin_shufflevector(*a, *b, 2, 3, 10, 11, 6, 7, 14, 15);
-  }
-  const Lanes8 out_lo = __builtin_shufflevector(y_lo[0], y_lo[1], 0, 8, 2, 10, 4, 12, 6, 14) +
-                        __builtin_shufflevector(y_lo[0], y_lo[1], 1, 9, 3, 11, 5, 13, 7, 15);
-  const Lanes8 out_hi = __builtin_shufflevector(y_hi[0], y_hi[1], 0, 8, 2, 10, 4, 12, 6, 14) +
-                        __builtin_shufflevector(y_hi[0], y_hi[1], 1, 9, 3, 11, 5, 13, 7, 15);
-  std::memcpy(out, &out_lo, sizeof out_lo);
-  std::memcpy(out + 8, &out_hi, sizeof out_hi);
 }
 
 // 16 scores of one row into out: keys [16][chunks] against the row's scaled query [chunks].
