@@ -119,6 +119,11 @@ def _target(topology: str):
     return aot.target(topology)
 
 
+# The TPU kernels take 8-bit pages of 32 rows and more (an 8-bit memory tile).
+TPU_SHAPES = KERNEL_SHAPES + [shape for shape in KV8_SHAPES if shape[4] % 32 == 0]
+TPU_CHIPS = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}
+
+
 def kernel_failures(kernel, topology: str, shapes=KERNEL_SHAPES) -> dict:
     """Compiles every row of ``shapes``; returns {row name: first error line} of failures."""
     failed = {}
@@ -158,3 +163,18 @@ def check_step_reports(compiler: aot.StepCompiler, forwards: list, pairs=None) -
         assert c.argument_bytes >= compiler.kv_cache_bytes, (tokens, seqs)
         assert c.alias_bytes >= compiler.kv_cache_bytes, (tokens, seqs)
         assert c.peak_bytes < compiler.target.chip.hbm_bytes, (tokens, seqs, c.peak_bytes)
+
+
+if __name__ == "__main__":
+    # The whole TPU table on every chip (CI splits it: tests/test_tpu_compile.py):
+    #   python -m tests.compile_only [v5e v6e v5p]
+    import sys
+
+    failures = 0
+    for chip in sys.argv[1:] or list(TPU_CHIPS):
+        failed = kernel_failures(tpu, TPU_CHIPS[chip], TPU_SHAPES)
+        failures += len(failed)
+        print(f"{chip}: {len(TPU_SHAPES) - len(failed)} of {len(TPU_SHAPES)} shapes compile", flush=True)
+        for name, error in failed.items():
+            print(f"  {name}: {error}")
+    sys.exit(1 if failures else 0)

@@ -240,44 +240,38 @@ def test_engine_with_an_8bit_cache(tiny_model_dir, kv_dtype, backend):
 
 
 def test_the_tpu_kernels_serve_an_8bit_cache(tiny_model_dir):
-    """The TPU kernels (interpret mode) in an engine with an int8 cache give the reference
-    backend's greedy tokens over the same quantized cache, with prefill chunks and decodes
-    in the same steps; then, with the prefix cache on, requests whose cached prefix ends
-    inside a page (a copy-on-write page: its scale rows in the TPU's 128-lane layout must
-    travel with its values) give the tokens they give with nothing cached; every page
-    returned, integrity after every step."""
+    """The TPU kernels (interpret mode) in an engine with an int8 cache and the prefix
+    cache on give the reference backend's greedy tokens and logprobs (nothing cached
+    there): requests whose cached prefix ends inside a page (a copy-on-write page: its
+    scale rows in the TPU's 128-lane layout must travel with its values), beside a fresh
+    prompt whose prefill chunks share steps with their decodes; integrity after every
+    step, every page returned."""
     path, _ = tiny_model_dir("llama")
     opts = dict(dtype="float32", page_size=32, num_pages=16, max_num_batched_tokens=32, min_token_bucket=32)
     opts.update(max_num_seqs=4, kv_cache_dtype="int8", progress=False, warmup=False)
-    prompts = [rng_tokens(n, TINY["vocab_size"], seed=n) for n in (40, 3)]
-    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    ref = LLM(str(path), attention_backend="reference", enable_prefix_caching=False, **opts)
-    expected = [o.token_ids for o in ref.generate(prompts, greedy)]
-    tpu_opts = dict(attention_backend="pallas_tpu", attention_interpret=True, **opts)
-    llm = LLM(str(path), enable_prefix_caching=False, **tpu_opts)
-    assert isinstance(llm.runner.kv_cache, QuantizedKV)
-    assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
-    assert llm.stats()["kv_pages_held"] == 0
-
     # Logprobs too: a page whose copy lost its scales reads as zeros, which greedy tokens
     # of a tiny random model may survive.
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
     prefix = rng_tokens(62, TINY["vocab_size"], seed=62)
     tails = [rng_tokens(5 + i, TINY["vocab_size"], seed=50 + i) for i in range(2)]
-    shared = [prefix[:60] + t for t in tails]  # each cached match ends inside page 1
-    expected = [ref.generate([p], greedy)[0] for p in shared]
-    cached = LLM(str(path), enable_prefix_caching=True, **tpu_opts)
+    prompts = [prefix[:60] + t for t in tails]  # each cached match ends inside page 1
+    prompts.append(rng_tokens(40, TINY["vocab_size"], seed=40))  # nothing of it cached
+    ref = LLM(str(path), attention_backend="reference", enable_prefix_caching=False, **opts)
+    expected = [ref.generate([p], greedy)[0] for p in prompts]
+
+    llm = LLM(str(path), attention_backend="pallas_tpu", attention_interpret=True, **opts)
+    assert isinstance(llm.runner.kv_cache, QuantizedKV)
     copies = []
-    copy_pages = cached.runner.copy_pages
-    cached.runner.copy_pages = lambda pairs: (copies.extend(pairs), copy_pages(pairs))
-    cached.generate([prefix], greedy)
-    reqs = [cached.engine.add_request(p, greedy) for p in shared]
-    while cached.engine.has_unfinished():
-        cached.engine.step()
-        cached.scheduler.check_integrity()
+    copy_pages = llm.runner.copy_pages
+    llm.runner.copy_pages = lambda pairs: (copies.extend(pairs), copy_pages(pairs))
+    llm.generate([prefix], greedy)
+    reqs = [llm.engine.add_request(p, greedy) for p in prompts]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        llm.scheduler.check_integrity()
     assert copies, "no copy-on-write page: the test does not test the scales' copy"
-    assert all(r.num_cached_tokens >= 56 for r in reqs)
+    assert all(r.num_cached_tokens >= 56 for r in reqs[:2])
     assert [r.output_token_ids for r in reqs] == [o.token_ids for o in expected]
     for r, o in zip(reqs, expected, strict=True):
         np.testing.assert_allclose(r.output_logprobs, o.logprobs, atol=1e-4)
-    assert cached.stats()["kv_pages_held"] == 0
+    assert llm.stats()["kv_pages_held"] == 0
