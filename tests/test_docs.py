@@ -1,6 +1,6 @@
 """docs/tpu-vm.md: the commands it marks as run in CI are run here, as written, at the
-smallest bucket pair (to keep CI short: tests/test_tpu_compile.py compiles the shipped
-configs' largest pair; `jaxserve compile` without --bucket compiles every pair)."""
+smallest bucket pair (to keep CI short: tests/test_tpu_compile.py compiles the v5e
+config's largest pair; `jaxserve compile` without --bucket compiles every pair)."""
 
 from __future__ import annotations
 
