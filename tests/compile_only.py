@@ -87,7 +87,8 @@ def compile_kernels(kernel, target, shape) -> None:
     _, hq, hkv, head_dim, page_size, dtype, tokens, seqs, window = shape
     kv_dtype, dtype = dtype, jnp.bfloat16 if is_quantized(dtype) else dtype  # 8-bit: a bfloat16 model
     pages_per_seq = 8192 // page_size
-    num_pages = -(-(seqs * pages_per_seq // 4 + 1) // 8) * 8  # whole sublane tiles, as the engine's TPU caches
+    # Whole sublane tiles, as the engine's TPU caches (AttentionBackend.pages_multiple).
+    num_pages = -(-(seqs * pages_per_seq // 4 + 1) // tpu.SUBLANES) * tpu.SUBLANES
     cache = kernel.get_kv_cache_shape(2, num_pages, page_size, hkv, head_dim)
     sizes = BlockSizes(block_q=16, block_pages=max(1, 128 // page_size))
 
@@ -119,8 +120,9 @@ def _target(topology: str):
     return aot.target(topology)
 
 
-# The TPU kernels take 8-bit pages of 32 rows and more (an 8-bit memory tile).
-TPU_SHAPES = KERNEL_SHAPES + [shape for shape in KV8_SHAPES if shape[4] % 32 == 0]
+# The rows whose pages are whole TPU memory tiles (the rule the plan enforces:
+# AttentionBackend.page_size_error): all but the 16-row 8-bit page.
+TPU_SHAPES = [shape for shape in KERNEL_SHAPES + KV8_SHAPES if shape[4] % tpu.tile_rows(shape[5]) == 0]
 TPU_CHIPS = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}
 
 

@@ -198,6 +198,22 @@ def _prompt_logprobs(llm, ids):
     return np.array(out.prompt_logprobs[1:])
 
 
+def _serve_after_prefix(llm, prefix, prompts, params):
+    """Serves ``prefix`` (cached from then on), then ``prompts`` at once, integrity checked
+    after every step. Returns their requests, the pages copied on write meanwhile, and the
+    compiles after the prefix."""
+    copies = []
+    copy_pages = llm.runner.copy_pages
+    llm.runner.copy_pages = lambda pairs: (copies.extend(pairs), copy_pages(pairs))
+    llm.generate([prefix], params)
+    before = llm.stats()["num_compiles"]
+    reqs = [llm.engine.add_request(p, params) for p in prompts]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        llm.scheduler.check_integrity()
+    return reqs, copies, llm.stats()["num_compiles"] - before
+
+
 @pytest.mark.parametrize("kv_dtype", KV8)
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_engine_with_an_8bit_cache(tiny_model_dir, kv_dtype, backend):
@@ -224,19 +240,11 @@ def test_engine_with_an_8bit_cache(tiny_model_dir, kv_dtype, backend):
     fresh = LLM(str(path), kv_cache_dtype=kv_dtype, enable_prefix_caching=False, warmup=False, **opts)
     expected = [fresh.generate([p], greedy)[0].token_ids for p in prompts]
 
-    copies = []
-    copy_pages = llm.runner.copy_pages
-    llm.runner.copy_pages = lambda pairs: (copies.extend(pairs), copy_pages(pairs))
-    llm.generate([prefix], greedy)
-    before = llm.stats()["num_compiles"]
-    reqs = [llm.engine.add_request(p, greedy) for p in prompts]
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-        llm.scheduler.check_integrity()
+    reqs, copies, compiles = _serve_after_prefix(llm, prefix, prompts, greedy)
     assert copies, "no copy-on-write page: the test does not test the scales' copy"
     assert [r.output_token_ids for r in reqs] == expected
     assert all(r.num_cached_tokens >= 40 for r in reqs)
-    assert llm.stats()["num_compiles"] == before and llm.stats()["kv_pages_held"] == 0
+    assert compiles == 0 and llm.stats()["kv_pages_held"] == 0
 
 
 def test_the_tpu_kernels_serve_an_8bit_cache(tiny_model_dir):
@@ -261,14 +269,7 @@ def test_the_tpu_kernels_serve_an_8bit_cache(tiny_model_dir):
 
     llm = LLM(str(path), attention_backend="pallas_tpu", attention_interpret=True, **opts)
     assert isinstance(llm.runner.kv_cache, QuantizedKV)
-    copies = []
-    copy_pages = llm.runner.copy_pages
-    llm.runner.copy_pages = lambda pairs: (copies.extend(pairs), copy_pages(pairs))
-    llm.generate([prefix], greedy)
-    reqs = [llm.engine.add_request(p, greedy) for p in prompts]
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-        llm.scheduler.check_integrity()
+    reqs, copies, _ = _serve_after_prefix(llm, prefix, prompts, greedy)  # warmup=False: it compiles
     assert copies, "no copy-on-write page: the test does not test the scales' copy"
     assert all(r.num_cached_tokens >= 56 for r in reqs[:2])
     assert [r.output_token_ids for r in reqs] == [o.token_ids for o in expected]

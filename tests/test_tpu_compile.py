@@ -5,7 +5,7 @@ interpret mode never applies are enforced on every change. No TPU is needed.
 - both TPU kernels (KV write + ragged paged attention) over a table of shapes, 8-bit
   caches included, for v5e, v6e and v5p;
 - the engine's whole step (model, KV write, attention, sampler) at the largest bucket
-  pair of the shipped TPU configs, weights abstract and sharded over the config's mesh
+  pair of the shipped v5e config, weights abstract and sharded over the config's mesh
   (the smallest pair: the guide's dry runs, tests/test_docs.py; `jaxserve compile`
   compiles every pair); int8 weights and an int8 KV cache on one v5e chip;
 - ``jaxserve compile`` refuses a config that cannot fit (its table: tests/test_docs.py, which

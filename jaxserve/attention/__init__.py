@@ -31,7 +31,6 @@ from jaxserve.parallel import MODEL
 from pallas_kernels.ragged_paged_attention import BlockSizes, cpu, gpu, reference, tpu
 from pallas_kernels.ragged_paged_attention.common import QuantizedKV, is_quantized, kv_cache_bytes, new_kv_cache
 
-SUBLANES = tpu.SUBLANES
 BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu", "cpu")
 _KERNELS = {"pallas_tpu": tpu, "pallas_gpu": gpu, "cpu": cpu}
 _PLATFORM_BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "cpu": "cpu"}
@@ -145,7 +144,7 @@ class AttentionBackend:
         only when num_pages fills whole 8-sublane tiles; otherwise XLA's TPU compiler lays
         the array out with another dim second-minor, and copies it whole into the kernels'
         layout at every call."""
-        return SUBLANES if self.name == "pallas_tpu" and is_quantized(kv_dtype) else 1
+        return tpu.SUBLANES if self.name == "pallas_tpu" and is_quantized(kv_dtype) else 1
 
     def scale_lanes(self, page_size: int) -> int:
         """Lanes of a page's row of scales in an 8-bit cache (``common.scales_shape``)."""

@@ -153,11 +153,13 @@ inline Half AddHalves(const Whole& v) {
   return lo + hi;
 }
 
-inline float SumLanes(Lanes v) {
-  const Lanes4 v4 = AddHalves<Lanes4>(AddHalves<Lanes8>(v));
+inline float SumLanes8(Lanes8 v) {
+  const Lanes4 v4 = AddHalves<Lanes4>(v);
   const float v2[2] = {v4[0] + v4[2], v4[1] + v4[3]};
   return v2[0] + v2[1];
 }
+
+inline float SumLanes(Lanes v) { return SumLanes8(AddHalves<Lanes8>(v)); }
 
 // Largest lane (exact: a max does not round, so the order is free).
 inline float MaxLanes(Lanes v) {
@@ -282,7 +284,7 @@ inline Lanes8 Half(const float* p) {
 }
 
 // SoftmaxRow (below) on halves: the same lane-wise operations, the same maximum (exact in
-// any order) and the same tree for the sum (SumLanes adds the halves first).
+// any order) and the same tree for the sum (SumLanes8: SumLanes past its first level).
 
 template <typename Store>
 JAXSERVE_FMA inline float SoftmaxRowHalves(const float* s, int32_t base, int32_t lo, int32_t pos, Store&& store) {
@@ -318,9 +320,7 @@ JAXSERVE_FMA inline float SoftmaxRowHalves(const float* s, int32_t base, int32_t
     sum_lo += v[0];
     sum_hi += v[1];
   }
-  const Lanes4 v4 = AddHalves<Lanes4>(sum_lo + sum_hi);
-  const float v2[2] = {v4[0] + v4[2], v4[1] + v4[3]};
-  return v2[0] + v2[1];
+  return SumLanes8(sum_lo + sum_hi);
 }
 
 // Softmax of one row over its own positions [lo, pos], exactly (two passes, no online

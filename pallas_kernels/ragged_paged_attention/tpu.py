@@ -98,7 +98,7 @@ def _attention_kernel(
     # inputs
     q_ref,  # [R, D] VMEM
     kv_hbm,  # [2*Hkv, L, num_pages, page_size, D] HBM
-    *refs,  # [8-bit: scales_hbm [2*Hkv, L, num_pages, page_size] HBM], o_ref [R, D] (output), then
+    *refs,  # [8-bit: scales_hbm [2*Hkv, L, num_pages, scale_lanes] HBM], o_ref [R, D] (output), then
     # scratch: k_buf, v_buf [2, Kb, D], [8-bit: ks_buf, vs_buf [2, scale_rows, scale_lanes]], DMA sems [2]
     group: int,
     block_pages: int,
@@ -249,10 +249,10 @@ def ragged_paged_attention(
     block_pages = min(block_sizes.block_pages, page_table.shape[1])
     if quantized and page_size & (page_size - 1):
         raise ValueError(f"page_size ({page_size}) must be a power of two for an 8-bit KV cache on TPU")
-    if quantized and kv_cache.scales.shape != scales_shape(kv_cache.shape, scale_lanes(page_size)):
+    if quantized and kv_cache.scales.shape != (want := scales_shape(kv_cache.shape, scale_lanes(page_size))):
         raise ValueError(
-            f"an 8-bit KV cache on TPU needs scales {scales_shape(kv_cache.shape, scale_lanes(page_size))} "
-            f"(page rows padded to 128 lanes: tpu.scale_lanes), got {kv_cache.scales.shape}"
+            f"an 8-bit KV cache on TPU needs scales {want} (page rows padded to 128 lanes: tpu.scale_lanes), "
+            f"got {kv_cache.scales.shape}"
         )
     block_kv = block_pages * page_size
     # An 8-bit block's scales: a sublane row per page, padded to whole (8, 128) tiles.
