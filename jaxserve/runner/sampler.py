@@ -106,8 +106,8 @@ def block(logits: jax.Array, blocked_ids: jax.Array) -> jax.Array:
     """-inf at each row's blocked ids (stop tokens under min_tokens; -1 is padding)."""
     s, vocab = logits.shape
     rows = jnp.arange(s)[:, None]
-    blocked = jnp.where(blocked_ids >= 0, blocked_ids, vocab)
-    return jnp.concatenate([logits, jnp.zeros((s, 1), logits.dtype)], axis=1).at[rows, blocked].set(-jnp.inf)[:, :vocab]
+    blocked = jnp.where(blocked_ids >= 0, blocked_ids, vocab)  # out of range: dropped
+    return logits.at[rows, blocked].set(-jnp.inf, mode="drop")
 
 
 def _block_width(vocab: int) -> int:
@@ -212,7 +212,9 @@ def sample(
     raw = logits
     if penalties is not None:  # a separate compiled variant (see the module doc)
         logits = penalize(logits, penalties)
-    logits = jax.lax.cond(jnp.any(md.blocked_ids >= 0), block, lambda x, _: x, logits, md.blocked_ids)
+    # Unconditionally: a scatter of [S, MAX_BLOCKED] in place, where a lax.cond with the
+    # identity for its other branch copied all the logits every step (~1-2 ms at 32 rows).
+    logits = block(logits, md.blocked_ids)
     if allowed is not None:  # structured output: only steps with a constrained row pay for it
         logits = jax.lax.cond(jnp.any(allowed != -1), allow, lambda x, _: x, logits, allowed)
 
