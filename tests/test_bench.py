@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,37 @@ def test_bench_workloads_report_metrics(addr, tmp_path, capsys, workload, extra)
         assert s["prefix_cache_hit_rate"] > 0.3
     if workload == "long-prompt-interference":
         assert report["steady"]["requests"] == 2 and report["long"]["requests"] >= 1
+
+
+def test_bench_serve_speaks_openai_http_with_the_same_counts_as_grpc(tiny_model_dir, tmp_path, capsys):
+    """One load generator for any server: the same seed's workload over jaxserve's OpenAI
+    HTTP API and over gRPC sends the same prompts and gets the same number of tokens back
+    (EOS ignored), so a comparison against vLLM's HTTP server measures like for like."""
+    from jaxserve.server.config import ServerConfig
+
+    cfg = ServerConfig(port=0, http_port=0, metrics_port=None, warmup=False)
+    with tiny_server(tiny_model_dir("llama3")[0], cfg, num_pages=600) as (_, server, address):
+        while server.http_port is None:
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{server.http_port}"
+        common = ["--vocab", "320", "--num-requests", "8", "--concurrency", "4", "--input-len", "5:40", "--quiet"]
+        common += ["--output-len", "4:16", "--seed", "3"]
+        reports = {}
+        for name, where in (("grpc", address), ("http", url)):
+            out = tmp_path / f"{name}.json"
+            assert main(["bench", "serve", "--server", where, "--json", str(out), *common]) == 0
+            reports[name] = json.loads(out.read_text())["all"]
+        assert "workload random against http://127.0.0.1:" in capsys.readouterr().out
+        grpc_run, http_run = reports["grpc"], reports["http"]
+        assert http_run["errors"] == 0 and http_run["requests"] == 8
+        for key in ("prompt_tokens", "output_tokens"):
+            assert http_run[key] == grpc_run[key] > 0, key
+        assert 0 < http_run["ttft_s"]["p50"] <= http_run["e2e_s"]["p50"] and http_run["itl_s"]["p50"] > 0
+        # What HTTP cannot do is one usage error naming the option, not a traceback.
+        assert main(["bench", "serve", "--server", url, "--workload", "multi-turn", *common]) == 2
+        assert main(["bench", "serve", "--server", address, "--model", "tiny", *common]) == 2
+        errors = capsys.readouterr().err
+        assert "multi-turn" in errors and "gRPC servers only" in errors and "--model names the model" in errors
 
 
 def _png(path) -> np.ndarray:

@@ -1,5 +1,9 @@
-"""A gRPC load generator with serving metrics, against a running server (like vLLM's and
-SGLang's serving benchmarks).
+"""A load generator with serving metrics, against a running server (like vLLM's and
+SGLang's serving benchmarks): jaxserve's gRPC API (``--server host:port``), or any
+OpenAI-compatible HTTP server (``--server http://host:port``: streaming ``/v1/completions``
+with token-id prompts and vLLM's ``ignore_eos``), so one client measures jaxserve and vLLM
+alike. Over HTTP an inter-token latency is the gap between streamed chunks that carry
+text, and the output tokens are the final usage chunk's count.
 
 Workloads (token-id prompts, EOS ignored so output lengths are exact):
   random                    prompt / output lengths drawn uniformly from ranges
@@ -27,6 +31,7 @@ import sys
 import time
 
 import grpc
+import httpx
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -51,28 +56,113 @@ class Result:
     output_ids: list[int] = dataclasses.field(default_factory=list)
 
 
-async def _one(stub, ids: list[int], max_tokens: int, tag: str, timeout: float) -> Result:
+class GrpcTarget:
+    """jaxserve's gRPC API: every streamed message carries its token ids."""
+
+    multi_turn = True  # the replies' token ids come back, to extend a conversation's history
+
+    def __init__(self, address: str):
+        self.address = address
+
+    async def __aenter__(self):
+        self._channel = grpc.aio.insecure_channel(self.address)
+        self._stub = pb_grpc.JaxServeStub(self._channel)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self._channel.close()
+
+    async def stream(self, res: Result, ids: list[int], max_tokens: int, timeout: float):
+        """Yields at each message that brings tokens; fills res's tokens and cached count."""
+        try:
+            call = self._stub.StreamGenerate(
+                build_request(ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True), timeout=timeout
+            )
+            async for msg in call:
+                if msg.finish_reason:
+                    res.cached_tokens = msg.usage.cached_tokens
+                if msg.token_ids:
+                    res.output_ids.extend(msg.token_ids)
+                    res.output_tokens = len(res.output_ids)
+                    yield
+        except grpc.aio.AioRpcError as e:
+            res.error = f"{e.code().name}: {e.details()}"
+
+
+class OpenAITarget:
+    """An OpenAI-compatible HTTP server (vLLM's, SGLang's, jaxserve's own): streaming
+    completions of token-id prompts, EOS ignored (vLLM's extra field)."""
+
+    multi_turn = False  # completions stream text, not the token ids a history needs
+
+    def __init__(self, url: str, model: str | None):
+        self.url, self.model = url.rstrip("/"), model
+
+    async def __aenter__(self):
+        self._client = httpx.AsyncClient(base_url=self.url, timeout=None, limits=httpx.Limits(max_connections=None))
+        if self.model is None:  # the server's first (usually only) model
+            try:
+                reply = await self._client.get("/v1/models")
+                reply.raise_for_status()
+                self.model = reply.json()["data"][0]["id"]
+            except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+                await self._client.aclose()
+                raise ConfigError(f"--server {self.url}: no model listed at /v1/models ({e}); pass --model") from None
+        return self
+
+    async def __aexit__(self, *exc):
+        await self._client.aclose()
+
+    async def stream(self, res: Result, ids: list[int], max_tokens: int, timeout: float):
+        """Yields at each streamed chunk that brings text; fills res from the usage chunk."""
+        body = {
+            "model": self.model,
+            "prompt": ids,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        try:
+            async with self._client.stream("POST", "/v1/completions", json=body, timeout=timeout) as reply:
+                if reply.status_code != 200:
+                    res.error = f"HTTP {reply.status_code}: {(await reply.aread()).decode(errors='replace')[:200]}"
+                    return
+                async for line in reply.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: ") :])
+                    if chunk.get("usage"):
+                        res.output_tokens = chunk["usage"].get("completion_tokens", 0)
+                        details = chunk["usage"].get("prompt_tokens_details") or {}
+                        res.cached_tokens = details.get("cached_tokens") or 0
+                    if any(c.get("text") for c in chunk.get("choices", ())):
+                        yield
+        except httpx.HTTPError as e:
+            res.error = f"{type(e).__name__}: {e}"
+
+
+def target(args) -> GrpcTarget | OpenAITarget:
+    """The server to load: an http(s):// URL speaks OpenAI's HTTP API, anything else is gRPC."""
+    if args.server.startswith(("http://", "https://")):
+        return OpenAITarget(args.server, args.model)
+    if args.model is not None:
+        raise ConfigError("--model names the model of an OpenAI-compatible --server http://...; gRPC serves one")
+    return GrpcTarget(args.server)
+
+
+async def _one(server, ids: list[int], max_tokens: int, tag: str, timeout: float) -> Result:
     res = Result(tag, prompt_tokens=len(ids))
     t0 = time.perf_counter()
     last = None
-    try:
-        call = stub.StreamGenerate(
-            build_request(ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True), timeout=timeout
-        )
-        async for msg in call:
-            now = time.perf_counter()
-            if msg.token_ids:
-                if last is None:
-                    res.ttft = now - t0
-                else:
-                    res.itls.append(now - last)
-                last = now
-                res.output_ids.extend(msg.token_ids)
-            if msg.finish_reason:
-                res.cached_tokens = msg.usage.cached_tokens
-        res.output_tokens = len(res.output_ids)
-    except grpc.aio.AioRpcError as e:
-        res.error = f"{e.code().name}: {e.details()}"
+    async for _ in server.stream(res, ids, max_tokens, timeout):
+        now = time.perf_counter()
+        if last is None:
+            res.ttft = now - t0
+        else:
+            res.itls.append(now - last)
+        last = now
     res.e2e = time.perf_counter() - t0
     return res
 
@@ -118,15 +208,17 @@ async def run_bench(args) -> dict:
     def tokens(n: int) -> list[int]:
         return [rng.randrange(3, vocab) for _ in range(n)]
 
-    async with grpc.aio.insecure_channel(args.server) as channel:
-        stub = pb_grpc.JaxServeStub(channel)
+    server = target(args)
+    if args.workload == "multi-turn" and not server.multi_turn:
+        raise ConfigError("--workload multi-turn extends each history by the reply's token ids: gRPC servers only")
+    async with server:
         results: list[Result] = []
         bar = tqdm(total=args.num_requests, desc=f"bench {args.workload}", disable=args.quiet)
         sem = asyncio.Semaphore(args.concurrency)
 
         async def submit(ids, max_tokens, tag="main"):
             async with sem:
-                res = await _one(stub, ids, max_tokens, tag, args.timeout)
+                res = await _one(server, ids, max_tokens, tag, args.timeout)
             results.append(res)
             bar.update()
             return res
@@ -223,7 +315,12 @@ def _values(kind):
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--server", default="127.0.0.1:50051")
+    p.add_argument(
+        "--server",
+        default="127.0.0.1:50051",
+        help="host:port of jaxserve's gRPC API, or http://host:port of any OpenAI-compatible server",
+    )
+    p.add_argument("--model", default=None, help="HTTP: the model to ask for (default: the first at /v1/models)")
     p.add_argument("--workload", choices=WORKLOADS, default="random")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument(
