@@ -9,6 +9,15 @@ build, for a side-by-side table on one machine (README, "Against vLLM's CPU buil
     # 3. the runs (VLLM_CPU_NUM_OF_RESERVED_CPU=0: every core computes, as jaxserve's do)
     VLLM_CPU_NUM_OF_RESERVED_CPU=0 /tmp/vllm/bin/python scripts/vllm_compare.py offline /tmp/smollm2-hf --dtype bfloat16
     VLLM_CPU_NUM_OF_RESERVED_CPU=0 /tmp/vllm/bin/python scripts/vllm_compare.py latency /tmp/smollm2-hf --dtype bfloat16
+    # 4. serving, both measured by the same client (`jaxserve bench serve` speaks OpenAI HTTP).
+    #    The `vllm` command itself fails with the vllm-cpu package (it looks up the version of
+    #    a package named "vllm"), so the server is started as a module:
+    (cd /tmp && VLLM_CPU_NUM_OF_RESERVED_CPU=0 /tmp/vllm/bin/python -m vllm.entrypoints.openai.api_server \
+        --model /tmp/smollm2-hf --dtype bfloat16 --no-enable-prefix-caching --gpu-memory-utilization 0.5 --port 8011 &)
+    .venv/bin/jaxserve bench serve --server http://127.0.0.1:8011 --workload random --num-requests 64 \
+        --concurrency 16 --input-len 200:200 --output-len 64:64 --seed 1
+    # then the same against `jaxserve run --config configs/smollm2-135m.yaml --set enable_prefix_caching=false`
+    # (--server 127.0.0.1:50051 for gRPC, or http://127.0.0.1:8000 for its HTTP API)
 
 The offline prompts are the same token ids as `jaxserve bench offline --requests 32
 --prompt 200:200 --output 64:64` (same generator, same seed); greedy, EOS ignored. Each
