@@ -212,11 +212,6 @@ def sample(
     raw = logits
     if penalties is not None:  # a separate compiled variant (see the module doc)
         logits = penalize(logits, penalties)
-    # Unconditionally: a scatter of [S, MAX_BLOCKED] in place, where a lax.cond with the
-    # identity for its other branch copied all the logits every step (~1-2 ms at 32 rows).
-    logits = block(logits, md.blocked_ids)
-    if allowed is not None:  # structured output: only steps with a constrained row pay for it
-        logits = jax.lax.cond(jnp.any(allowed != -1), allow, lambda x, _: x, logits, allowed)
 
     def random(x):
         return _sample_rows(x, md)
@@ -224,7 +219,21 @@ def sample(
     def greedy(x):
         return argmax(x).astype(jnp.int32)
 
-    tokens = jax.lax.cond(jnp.all(md.temperature == 0), greedy, random, logits)
+    def choose(x):
+        return jax.lax.cond(jnp.all(md.temperature == 0), greedy, random, x)
+
+    def masked(x):  # min_tokens' blocked stop ids; structured output's bitmask
+        x = block(x, md.blocked_ids)
+        return choose(x if allowed is None else allow(x, allowed))
+
+    # The masks apply inside the branch that picks tokens, so a step where no row is blocked
+    # or constrained reads the logits as they are: masking them in place would first copy
+    # all of them (the raw logits stay live for the logprobs), as would a lax.cond returning
+    # them unchanged: [32, 49152] float32, 1-2.6 ms of a 32-sequence decode step.
+    any_masked = jnp.any(md.blocked_ids >= 0)
+    if allowed is not None:
+        any_masked |= jnp.any(allowed != -1)
+    tokens = jax.lax.cond(any_masked, masked, choose, logits)
     s = raw.shape[0]
 
     def with_logprobs(raw):
