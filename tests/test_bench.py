@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import numpy as np
@@ -87,8 +86,7 @@ def test_bench_serve_speaks_openai_http_with_the_same_counts_as_grpc(tiny_model_
 
     cfg = ServerConfig(port=0, http_port=0, metrics_port=None, warmup=False)
     with tiny_server(tiny_model_dir("llama3")[0], cfg, num_pages=600) as (_, server, address):
-        while server.http_port is None:
-            time.sleep(0.01)
+        assert server.http_port is not None  # bound before start() returns, like the gRPC port
         url = f"http://127.0.0.1:{server.http_port}"
         common = ["--vocab", "320", "--num-requests", "8", "--concurrency", "4", "--input-len", "5:40", "--quiet"]
         common += ["--output-len", "4:16", "--seed", "3"]
