@@ -7,6 +7,7 @@ shows up as NaN in the output.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import re
@@ -419,6 +420,22 @@ def test_cpu_kernel_library_keeps_its_prefetches():
             prefetches += 1
     assert runners, "no TileRunner function in the library"
     assert prefetches > 0, f"no prefetch instruction in {len(runners)} TileRunner functions"
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_fast_exp_is_bitwise_the_generic_one():
+    """With AVX-512 the softmax's exp runs as AVX-512's own floor and times-2^n
+    (vrndscaleps, vscalefps) instead of the generic vector code's conversions and shifts,
+    which the AVX2 path keeps: the same operations in the same order, so the same bits, for
+    every 16th float32 in [-100, 0] (the clamp at -87 included). The kernel's softmax thus
+    gives the same probabilities on AVX-512 and AVX2 CPUs, as before the faster form."""
+    lib = cpu_build.kernels().lib
+    lib.JaxserveExpMismatches.restype = ctypes.c_int64
+    lib.JaxserveExpMismatches.argtypes = [ctypes.c_float, ctypes.c_uint32]
+    mismatches = lib.JaxserveExpMismatches(-100.0, 16)
+    if mismatches < 0:
+        pytest.skip("no AVX-512 here: the generic exp is the only one")
+    assert mismatches == 0, f"{mismatches} values' exp differ between the AVX-512 and the generic code"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
