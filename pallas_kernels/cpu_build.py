@@ -131,7 +131,7 @@ class Kernels:
 def kernels() -> Kernels:
     """Builds (once per process) the library with every kernel this machine can have and
     registers their FFI targets: ``jaxserve_ragged_paged_attention``,
-    ``jaxserve_int8_matmul`` and, with oneDNN, ``jaxserve_matmul``. A matmul that fails to build leaves the attention kernel alone."""
+    ``jaxserve_int8_matmul`` and, with oneDNN, ``jaxserve_matmul`` and ``jaxserve_matmul_swiglu``. A matmul that fails to build leaves the attention kernel alone."""
     try:
         include, library, version = onednn()
         extra = (f"-I{include}", str(library), f"-Wl,-rpath,{library.parent}", "-fopenmp")
@@ -147,6 +147,7 @@ def kernels() -> Kernels:
     register(lib, "JaxserveInt8Matmul", "jaxserve_int8_matmul")
     if not matmul_error:
         register(lib, "JaxserveMatmul", "jaxserve_matmul")
+        register(lib, "JaxserveMatmulSwiGlu", "jaxserve_matmul_swiglu")
     return Kernels(lib, "", matmul_error)
 
 

@@ -1,7 +1,10 @@
-"""The oneDNN matmul (``pallas_kernels.cpu_matmul``): values against XLA's dot, a row
-independent of the rows beside it, and bad inputs refused by name."""
+"""The oneDNN matmul (``pallas_kernels.cpu_matmul``): values against XLA's dot (and the
+SwiGLU call's against XLA's silu of the two products), a row independent of the rows
+beside it, and bad inputs refused by name."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +66,35 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(k, n, dtype):
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[m // 2] = row
         outs.append(np.asarray(f(jnp.asarray(x), stack))[m // 2])
+    for other in outs[1:]:
+        np.testing.assert_array_equal(outs[0], other)
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+@pytest.mark.parametrize("k, i", [(576, 1536), (64, 40)])  # SmolLM2's MLP; slices of 20: a partial group of 16
+def test_swiglu_matches_silu_of_the_two_products(k, i, dtype):
+    """One call gives silu(x @ gate) * (x @ up) in the weights' dtype (what the next matmul
+    reads): against the same two products by XLA and jax.nn.silu, and for each row of a
+    call of 8 to 1100 rows (blocks of rows past 512) the same bits as in any other."""
+    gate, up = _weight(k, i, dtype, seed=3), _weight(k, i, dtype, seed=4)
+    stack = jnp.asarray(np.stack([cpu_matmul.pack_swiglu(_weight(k, i, dtype, 5), _weight(k, i, dtype, 6)),
+                                  cpu_matmul.pack_swiglu(gate, up)]))  # fmt: skip
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((24, k)), jnp.float32)
+    got = cpu_matmul.swiglu(x, stack, 1, i, dtype)
+    assert got.shape == (24, i) and got.dtype == jnp.dtype(dtype)
+    dot = functools.partial(jnp.dot, x.astype(dtype), preferred_element_type=jnp.float32)
+    want = jax.nn.silu(dot(jnp.asarray(gate))) * dot(jnp.asarray(up))
+    tol = 2e-2 if dtype is ml_dtypes.bfloat16 else 1e-4  # accumulation order, bfloat16 rounding
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=tol * np.abs(want).max())
+
+    f = jax.jit(lambda x, packed: cpu_matmul.swiglu(x, packed, 1, i, dtype))
+    row = rng.standard_normal(k).astype(np.float32)
+    outs = []
+    for m in (8, 24, 512, 1100):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[m - 3] = row  # in the last block of rows
+        outs.append(np.asarray(f(jnp.asarray(x), stack), np.float32)[m - 3])
     for other in outs[1:]:
         np.testing.assert_array_equal(outs[0], other)
 

@@ -153,8 +153,9 @@ class DecoderLayer(nnx.Module):
                     setattr(self, f"{name}_offset", nnx.Param(jnp.zeros(groups, layout.scale_dtype)))
             elif packed is None:  # as 16-bit patterns where narrower than dtype (weight())
                 setattr(self, name, _param(rngs, (k, n), jnp.uint16 if weight_dtype else dtype))
-            else:
-                setattr(self, name, nnx.Param(jnp.zeros((cpu_matmul.packed_bytes(k, n, packed),), jnp.uint8)))
+            else:  # gate_up_proj packed for the SwiGLU kernel: slices of [gate | up] (swiglu())
+                s = cpu_matmul.swiglu_slices(n // 2, packed) if name == "gate_up_proj" else None
+                setattr(self, name, nnx.Param(jnp.zeros((cpu_matmul.packed_bytes(k, n, packed, s),), jnp.uint8)))
         self.input_norm = nnx.Param(jnp.ones((e,), dtype))
         if cfg.attention_bias:
             self.q_bias = nnx.Param(jnp.zeros((hq * d,), dtype))
@@ -218,8 +219,11 @@ class DecoderLayer(nnx.Module):
             x = x + self.linear(o.reshape(t, -1), "o_proj", layer)
         with jax.named_scope("mlp"):
             h = rms_norm(x, self.post_attention_norm[...], eps)
-            gate, up = self.projections(h, "gate_up_proj", layer)
-            gated = jax.nn.silu(gate) * up
+            if self.packed is not None and self.quant is None:  # oneDNN: SiLU and product in the kernel
+                gated = cpu_matmul.swiglu(h, self.gate_up_proj[...], layer, cfg.intermediate_size, self.packed)
+            else:
+                gate, up = self.projections(h, "gate_up_proj", layer)
+                gated = jax.nn.silu(gate) * up
             x = x + self.linear(gated, "down_proj", layer)
         return x, kv_cache
 

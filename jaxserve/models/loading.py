@@ -276,6 +276,8 @@ def load_model(
                         parts.append(_convert(ckpt.read(hf_name), transpose, plain[name], weight_np, hf_name))
                 if quant is not None:
                     return cpu_int8.pack(*(np.concatenate(p, axis=1) for p in zip(*parts, strict=True)))
+                if names == FUSED["gate_up_proj"]:  # the SwiGLU kernel's slices (llama.DecoderLayer)
+                    return cpu_matmul.pack_swiglu(*parts)
                 return cpu_matmul.pack(np.concatenate(parts, axis=1))
 
             shape = tuple(shapes["layers"][ours].shape)

@@ -1,0 +1,42 @@
+// Vector math shared by the CPU kernels (the attention's softmax, the matmul's SwiGLU).
+
+#ifndef JAXSERVE_CPU_EXP_H_
+#define JAXSERVE_CPU_EXP_H_
+
+#include <cstring>
+
+// Functions of explicit 16-lane vector code only, with a * b + c contracted to fused
+// multiply-adds where the CPU has them (the library is built with -ffp-contract=off): no
+// loop here that the compiler could split into a vector body and a scalar remainder that
+// rounds differently, so every row is still computed the same way wherever it falls.
+#define JAXSERVE_FMA __attribute__((optimize("fp-contract=fast")))
+
+namespace jaxserve {
+
+// exp(x) lane-wise for x <= 0 (Cephes expf: Cody-Waite reduction + degree-6 polynomial,
+// ~1 ulp), in vector arithmetic (V: 16 or 8 float lanes, I: as many int32 lanes): every
+// lane is computed by the same operations.
+template <typename V, typename I>
+JAXSERVE_FMA inline V ExpNonPositiveGeneric(V x) {
+  const V floor_at = V{} - 87.0f;
+  x = x < floor_at ? floor_at : x;
+  const V y = x * 1.44269504088896341f + 0.5f;
+  const V t = __builtin_convertvector(__builtin_convertvector(y, I), V);  // toward zero
+  const V n = t > y ? t - 1.0f : t;                                       // floor
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+}  // namespace jaxserve
+
+#endif  // JAXSERVE_CPU_EXP_H_
