@@ -237,8 +237,10 @@ inline void Store16(SwiGluLanes h, uint16_t* out) {
   std::memcpy(out, &out16, sizeof out16);
 }
 
+// JAXSERVE_FMA as SwiGlu16's: GCC inlines no function whose optimize attributes differ
+// (without AVX-512 SwiGlu16 was a call per 16 values, its vectors passed in memory).
 template <typename Out>
-void SwiGlu(const float* g, const float* u, Out* out, int64_t n) {
+JAXSERVE_FMA void SwiGlu(const float* g, const float* u, Out* out, int64_t n) {
   SwiGluLanes gv, uv;
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
