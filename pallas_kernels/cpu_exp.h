@@ -5,6 +5,10 @@
 
 #include <cstring>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 // Functions of explicit 16-lane vector code only, with a * b + c contracted to fused
 // multiply-adds where the CPU has them (the library is built with -ffp-contract=off): no
 // loop here that the compiler could split into a vector body and a scalar remainder that
@@ -36,6 +40,27 @@ JAXSERVE_FMA inline V ExpNonPositiveGeneric(V x) {
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+
+#ifdef __AVX512F__
+// ExpNonPositiveGeneric on one AVX-512 register with the ISA's own floor (vrndscaleps) and
+// times-2^n (vscalefps): the same operations on the same values in the same order, so
+// bitwise the same results, in 17 instructions instead of 23
+// (tests/test_attention_kernels.py sweeps every 16th float32 in [-100, 0]).
+JAXSERVE_FMA inline __m512 ExpNonPositive512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 y = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(r, _mm512_mul_ps(p, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
 
 }  // namespace jaxserve
 

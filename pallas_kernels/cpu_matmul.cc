@@ -34,6 +34,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -122,6 +123,24 @@ void Execute(const Entry& e, const void* x, const uint8_t* weights, float* dst) 
   stream.wait();
 }
 
+// Runs item(0), ..., item(n - 1) over the pool (cpu_threads.h); the first oneDNN error any
+// of them throws comes back as the call's error.
+ffi::Error RunItems(ffi::ThreadPool& pool, int64_t n, const std::function<void(int)>& item) {
+  std::atomic<bool> failed{false};
+  std::string error;
+  std::mutex error_mu;
+  jaxserve::RunOnPool(pool, static_cast<int>(n), [&](int i) {
+    try {
+      item(i);
+    } catch (const dnnl::error& e) {
+      std::lock_guard<std::mutex> lock(error_mu);
+      if (!failed.exchange(true)) error = e.what();
+    }
+  });
+  if (failed) return ffi::Error::Internal("oneDNN matmul: " + error);
+  return ffi::Error::Success();
+}
+
 // x [M, K] @ w[layer] -> out [slices, M, N / slices]: slice i (columns [i * N / slices,
 // (i + 1) * N / slices) of the weight, packed on its own) runs on one of XLA's threads
 // into its own dense block (oneDNN 3.2's fast kernels take no row stride on the output).
@@ -161,25 +180,14 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> p
                                        std::to_string(width) + "] weight take " + std::to_string(slice_bytes * slices));
   }
   const uint8_t* bytes = packed.typed_data() + static_cast<int64_t>(l) * pd[1];
-  std::atomic<bool> failed{false};
-  std::string error;
-  std::mutex error_mu;
   const size_t x_row_bytes = static_cast<size_t>(k) * (f32 ? 4 : 2);
-  auto run = [&](int item) {
-    try {
-      const int64_t i = item / blocks, b = item % blocks;
-      const int64_t row = b * m / blocks, rows = (b + 1) * m / blocks - row;
-      const Entry& e = blocks == 1 ? *entry : rows == m / blocks ? *small : *large;
-      Execute(e, static_cast<char*>(x.untyped_data()) + row * x_row_bytes, bytes + i * slice_bytes,
-              out->typed_data() + (i * m + row) * width);
-    } catch (const dnnl::error& e) {
-      std::lock_guard<std::mutex> lock(error_mu);
-      if (!failed.exchange(true)) error = e.what();
-    }
-  };
-  jaxserve::RunOnPool(pool, static_cast<int>(slices * blocks), run);
-  if (failed) return ffi::Error::Internal("oneDNN matmul: " + error);
-  return ffi::Error::Success();
+  return RunItems(pool, slices * blocks, [&](int item) {
+    const int64_t i = item / blocks, b = item % blocks;
+    const int64_t row = b * m / blocks, rows = (b + 1) * m / blocks - row;
+    const Entry& e = blocks == 1 ? *entry : rows == m / blocks ? *small : *large;
+    Execute(e, static_cast<char*>(x.untyped_data()) + row * x_row_bytes, bytes + i * slice_bytes,
+            out->typed_data() + (i * m + row) * width);
+  });
 }
 
 
@@ -191,24 +199,12 @@ typedef float SwiGluLanes __attribute__((vector_size(64)));
 
 JAXSERVE_FMA inline SwiGluLanes SwiGlu16(SwiGluLanes g, SwiGluLanes u) {
 #ifdef __AVX512F__
-  // AVX-512: the exp with its own floor and times-2^n (cpu_kernel.cc's form of the same
-  // Cephes code), and 1 / (1 + e) as a reciprocal estimate refined by one Newton step
-  // (~1 ulp; a division took as long as the rest).
+  // AVX-512: the exp of cpu_exp.h, and 1 / (1 + e) as a reciprocal estimate refined by one
+  // Newton step (~1 ulp; a division took as long as the rest).
   __m512 x, up;
   std::memcpy(&x, &g, sizeof x);
   std::memcpy(&up, &u, sizeof up);
-  const __m512 a = _mm512_max_ps(_mm512_min_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), x)), _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(a, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), a));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(r, _mm512_mul_ps(p, r), r), _mm512_set1_ps(1.0f));
-  const __m512 e = _mm512_scalef_ps(p, n);  // exp(-|g|)
+  const __m512 e = jaxserve::ExpNonPositive512(_mm512_min_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), x)));  // exp(-|g|)
   const __m512 d = _mm512_add_ps(e, _mm512_set1_ps(1.0f));
   __m512 inv = _mm512_rcp14_ps(d);
   inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.0f)));
@@ -305,35 +301,24 @@ ffi::Error MatmulSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
                                        std::to_string(slice_bytes * slices));
   }
   const uint8_t* bytes = packed.typed_data() + static_cast<int64_t>(l) * pd[1];
-  std::atomic<bool> failed{false};
-  std::string error;
-  std::mutex error_mu;
   const size_t x_row_bytes = static_cast<size_t>(k) * (f32 ? 4 : 2);
-  auto run = [&](int item) {
-    try {
-      const int64_t i = item % slices, b = item / slices;
-      const int64_t row = b * m / blocks, rows = (b + 1) * m / blocks - row;
-      const Entry& e = rows == m / blocks ? *small : *large;
-      thread_local std::vector<float> product;
-      product.resize(std::max<size_t>(product.size(), static_cast<size_t>(rows * 2 * width)));
-      Execute(e, static_cast<char*>(x.untyped_data()) + row * x_row_bytes, bytes + i * slice_bytes, product.data());
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* g = product.data() + r * 2 * width;
-        const int64_t at = (row + r) * od[1] + i * width;
-        if (f32) {
-          SwiGlu(g, g + width, static_cast<float*>(out->untyped_data()) + at, width);
-        } else {
-          SwiGlu(g, g + width, static_cast<uint16_t*>(out->untyped_data()) + at, width);
-        }
+  return RunItems(pool, slices * blocks, [&](int item) {
+    const int64_t i = item % slices, b = item / slices;
+    const int64_t row = b * m / blocks, rows = (b + 1) * m / blocks - row;
+    const Entry& e = rows == m / blocks ? *small : *large;
+    thread_local std::vector<float> product;
+    product.resize(std::max<size_t>(product.size(), static_cast<size_t>(rows * 2 * width)));
+    Execute(e, static_cast<char*>(x.untyped_data()) + row * x_row_bytes, bytes + i * slice_bytes, product.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* g = product.data() + r * 2 * width;
+      const int64_t at = (row + r) * od[1] + i * width;
+      if (f32) {
+        SwiGlu(g, g + width, static_cast<float*>(out->untyped_data()) + at, width);
+      } else {
+        SwiGlu(g, g + width, static_cast<uint16_t*>(out->untyped_data()) + at, width);
       }
-    } catch (const dnnl::error& e) {
-      std::lock_guard<std::mutex> lock(error_mu);
-      if (!failed.exchange(true)) error = e.what();
     }
-  };
-  jaxserve::RunOnPool(pool, static_cast<int>(slices * blocks), run);
-  if (failed) return ffi::Error::Internal("oneDNN matmul: " + error);
-  return ffi::Error::Success();
+  });
 }
 }  // namespace
 
