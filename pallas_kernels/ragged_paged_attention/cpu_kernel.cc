@@ -475,17 +475,13 @@ JAXSERVE_FMA inline void GroupValues(Lanes* acc, const float* const* p, const La
 template <typename T, int C>
 class TileRunner {
  public:
-  explicit TileRunner(const Problem& pb) : pb_(&pb) {}
-  // The next call's problem: a thread keeps its runner, and the buffers grown for the
-  // last call's tiles, from call to call (fresh ones were ~100 freshly mapped 4 KB pages
-  // a call, each faulted in and zeroed by the kernel).
-  void Bind(const Problem& pb) { pb_ = &pb; }
+  explicit TileRunner(const Problem& pb) : pb_(pb) {}
 
   // Rows of a tile summed together in GroupValues (their accumulators fit in registers).
   static constexpr int kValueRows = C >= 8 ? 2 : C >= 4 ? 4 : 8;
 
   void Run(const Tile& t) {
-    const Problem& pb = *pb_;
+    const Problem& pb = pb_;
     const int64_t D = pb.head_dim, G = pb.num_heads / pb.num_kv_heads;
     const int64_t chunks = C > 0 ? C : (D + kLanes - 1) / kLanes;  // head_dim in 16-lane chunks
     const int rows = t.num_tokens * static_cast<int>(G);
@@ -560,12 +556,12 @@ class TileRunner {
  private:
   // The K (plane < Hkv) or V rows of the index-th page of sequence seq.
   const T* Page(int32_t seq, int64_t plane, int32_t index) const {
-    return static_cast<const T*>(pb_->kv) + PageRow(seq, plane, index) * pb_->head_dim;
+    return static_cast<const T*>(pb_.kv) + PageRow(seq, plane, index) * pb_.head_dim;
   }
 
   // The cache row (a row of head_dim values; a scale's index) of the index-th page's first slot.
   int64_t PageRow(int32_t seq, int64_t plane, int32_t index) const {
-    const Problem& pb = *pb_;
+    const Problem& pb = pb_;
     const int64_t page = pb.page_table[seq * pb.pages_per_seq + index];
     return ((plane * pb.num_layers + pb.layer) * pb.num_pages + page) * pb.page_size;
   }
@@ -573,7 +569,7 @@ class TileRunner {
   static constexpr int kAhead = 4;  // groups fetched ahead of the one being read
 
   JAXSERVE_PREFETCHER void Prefetch(int32_t seq, int64_t plane, int32_t first, int32_t jlo, int32_t jhi) const {
-    const Problem& pb = *pb_;
+    const Problem& pb = pb_;
     const int64_t row_bytes = pb.head_dim * static_cast<int64_t>(sizeof(T));
     for (int32_t position = std::max(first, jlo); position < std::min(first + kLanes, jhi); ++position) {
       const char* row = reinterpret_cast<const char*>(Page(seq, plane, position / pb.page_size) +
@@ -585,7 +581,7 @@ class TileRunner {
   // K or V rows of positions [first, first + 16) as float32 chunks into group_; rows
   // outside [jlo, jhi) (not this tile's to read) and lanes past head_dim are zero.
   void LoadGroup(int32_t seq, int64_t plane, int32_t first, int32_t jlo, int32_t jhi) {
-    const Problem& pb = *pb_;
+    const Problem& pb = pb_;
     const int64_t D = pb.head_dim;
     Prefetch(seq, plane, first + kAhead * kLanes, jlo, jhi);
     const int64_t chunks = C > 0 ? C : (D + kLanes - 1) / kLanes;
@@ -610,7 +606,7 @@ class TileRunner {
     }
   }
 
-  const Problem* pb_;
+  const Problem& pb_;
   std::vector<int32_t> pos_, lo_;
   std::vector<Lanes> qs_, group_, acc_;  // [rows, chunks], [16, chunks], [rows, chunks]
   std::vector<float> scores_, denom_;
@@ -632,11 +628,10 @@ class TileRunner {
 // too), so a token's output is bit-identical however it was batched.
 class AmxTileRunner {
  public:
-  explicit AmxTileRunner(const Problem& pb) : pb_(&pb) {}
-  void Bind(const Problem& pb) { pb_ = &pb; }  // as TileRunner::Bind
+  explicit AmxTileRunner(const Problem& pb) : pb_(pb) {}
 
   void Run(const Tile& t) {
-    const Problem& pb = *pb_;
+    const Problem& pb = pb_;
     const int64_t D = pb.head_dim, G = pb.num_heads / pb.num_kv_heads;
     const int rows = t.num_tokens * static_cast<int>(G);
     const int padded = (rows + 15) / 16 * 16;
@@ -811,7 +806,7 @@ class AmxTileRunner {
   // products in the same order as a group alone: chunk by chunk, hi then lo.
   template <int N>
   void ScoreGroups(int r0, int32_t g, int64_t width) {
-    const int64_t D = pb_->head_dim, chunks = D / 32, step = chunks * 512;  // keys_ per group
+    const int64_t D = pb_.head_dim, chunks = D / 32, step = chunks * 512;  // keys_ per group
     _tile_zero(0);
     if constexpr (N > 1) _tile_zero(1);
     if constexpr (N > 2) _tile_zero(2);
@@ -852,7 +847,7 @@ class AmxTileRunner {
     return position < jlo || position >= jhi ? nullptr : PageRow(seq, plane, position);
   }
   const uint16_t* PageRow(int32_t seq, int64_t plane, int32_t position) const {
-    const Problem& pb = *pb_;
+    const Problem& pb = pb_;
     const int64_t page = pb.page_table[seq * pb.pages_per_seq + position / pb.page_size];
     const int64_t row = ((plane * pb.num_layers + pb.layer) * pb.num_pages + page) * pb.page_size;
     return static_cast<const uint16_t*>(pb.kv) + (row + position % pb.page_size) * pb.head_dim;
@@ -865,7 +860,7 @@ class AmxTileRunner {
   // (Level 1: the first level's few miss buffers stay free for the keys).
   template <int Level = 3>
   JAXSERVE_PREFETCHER void Prefetch(int32_t seq, int64_t plane, int32_t first, int32_t jlo, int32_t jhi) const {
-    const int64_t row_bytes = pb_->head_dim * 2;
+    const int64_t row_bytes = pb_.head_dim * 2;
     for (int32_t position = std::max(first, jlo); position < std::min(first + 16, jhi); ++position) {
       const char* row = reinterpret_cast<const char*>(Row(seq, plane, position, jlo, jhi));
       for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(row + byte, 0, Level);
@@ -878,7 +873,7 @@ class AmxTileRunner {
   // Calls loaded(g) after group g is in.
   template <typename Loaded>
   void LoadKeys(const Tile& t, int32_t base, int32_t blocks, int32_t jlo, int32_t jhi, Loaded&& loaded) {
-    const int64_t D = pb_->head_dim, chunks = D / 32;
+    const int64_t D = pb_.head_dim, chunks = D / 32;
     keys_.resize(static_cast<size_t>(blocks) * 2 * chunks * 512);
     for (int32_t g = 0; g < std::min(blocks * 2, kAhead); ++g) Prefetch(t.seq, t.kv_head, base + g * 16, jlo, jhi);
     for (int32_t g = 0; g < blocks * 2; ++g) {
@@ -924,8 +919,8 @@ class AmxTileRunner {
   // values_[block of 32 positions][head_dim / 16][16 pair rows][16 dimensions][2]: the
   // right operand of p . V, row k holding positions 2k, 2k + 1 of each dimension.
   void LoadValues(const Tile& t, int32_t base, int32_t blocks, int32_t jlo, int32_t jhi) {
-    const int64_t D = pb_->head_dim, columns = D / 16;
-    const int64_t plane = pb_->num_kv_heads + t.kv_head;
+    const int64_t D = pb_.head_dim, columns = D / 16;
+    const int64_t plane = pb_.num_kv_heads + t.kv_head;
     values_.resize(static_cast<size_t>(blocks) * columns * 512);
     const __m256i zero = _mm256_setzero_si256();
     for (int32_t b = 0; b < blocks; ++b) {
@@ -943,7 +938,7 @@ class AmxTileRunner {
     }
   }
 
-  const Problem* pb_;
+  const Problem& pb_;
   std::vector<int32_t> pos_, lo_;
   std::vector<uint16_t> q_hi_, q_lo_, p_hi_, p_lo_, keys_, values_;
   std::vector<uint16_t> q_t_ = std::vector<uint16_t>(4 * 512);  // q^T as hi, lo per 32 of head_dim
@@ -971,8 +966,7 @@ struct Work {
 // Runs tiles until none is left. Which thread runs a tile never changes its result.
 template <typename T, int C>
 void DrainOf(Work& work) {
-  thread_local TileRunner<T, C> runner(work.pb);
-  runner.Bind(work.pb);
+  TileRunner<T, C> runner(work.pb);
   for (size_t i; (i = work.next.fetch_add(1)) < work.tiles.size();) runner.Run(work.tiles[i]);
 }
 
@@ -991,8 +985,7 @@ void Drain(Work& work) {
 #ifdef JAXSERVE_HAVE_AMX
   if (work.amx) {
     jaxserve::TileScope tiles;
-    thread_local AmxTileRunner runner(work.pb);
-    runner.Bind(work.pb);
+    AmxTileRunner runner(work.pb);
     for (size_t i; (i = work.next.fetch_add(1)) < work.tiles.size();) runner.Run(work.tiles[i]);
     return;
   }
