@@ -283,11 +283,14 @@ ffi::Error MatmulSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   const int64_t m = xd[0], k = xd[1], width = od[1] / slices;
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument("layer " + std::to_string(l) + " is not in packed");
-  // Balanced blocks of at most kSwiGluRows rows (two sizes at most), at least 8 rows each
-  // where the call has them: a row's product does not depend on its neighbours from 8 rows.
-  const int64_t blocks = std::max<int64_t>(1, std::min((m + kSwiGluRows - 1) / kSwiGluRows, m / 8));
+  // Balanced blocks of at most kSwiGluRows rows (two sizes at most; on oneDNN's plain GEMM
+  // at most kMaxGemmRows, which keeps it on one kernel), at least 8 rows each where the
+  // call has them: a row's product then does not depend on its neighbours.
   std::shared_ptr<const Entry> small, large;
+  int64_t blocks = 1;
   try {
+    const int64_t limit = Primitive(std::min(m, kMaxGemmRows), k, 2 * width, f32)->gemm ? kMaxGemmRows : kSwiGluRows;
+    blocks = std::max<int64_t>(1, std::min((m + limit - 1) / limit, m / 8));
     small = Primitive(m / blocks, k, 2 * width, f32);
     large = m % blocks ? Primitive(m / blocks + 1, k, 2 * width, f32) : small;
   } catch (const dnnl::error& e) {

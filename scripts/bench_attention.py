@@ -1,13 +1,19 @@
 """Times ragged paged attention (and the KV write) per backend at Llama-3-8B shapes and
 prints the memory bandwidth it achieves against the device's peak.
 
-Shapes: 32 query / 8 KV heads, head_dim 128, pages of 16 and 32. Workloads:
+Shapes: 32 query / 8 KV heads, head_dim 128 (``--heads``), pages of 16 and 32. Workloads:
 ``decode``: 64 decodes at 2k context; ``mixed``: 63 of those decodes plus one 512-token
-prefill chunk at the end of a 2k context. "Bytes" is the KV the step must read at least
-once (every sequence's K and V); achieved bandwidth = bytes / time.
+prefill chunk at the end of a 2k context; ``prefill``: one sequence's whole ``--chunk``
+tokens (its context is the chunk). ``--layers N``: N layers of cache attended in turn in
+one program (a lax.scan, as the model runs them; one call per program is mostly dispatch
+on a CPU). "Bytes" is the KV the step must read at least once (every layer's and
+sequence's K and V); achieved bandwidth = bytes / time.
 
     python scripts/bench_attention.py                    # the backends this platform runs
     python scripts/bench_attention.py --backends reference --context 256   # quick, on CPU
+    # SmolLM2's first token's attention on the CPU kernel, its 30 layers in one program:
+    python scripts/bench_attention.py --backends cpu --heads 9,3,64 --workloads prefill \
+        --chunk 500 --page-sizes 16 --dtype bfloat16 --layers 30
 
 Not a test: timings on shared machines are noisy. Prints the command line it ran.
 """
@@ -23,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.hardware import cpu_model
 from pallas_kernels.ragged_paged_attention import BlockSizes, cpu, gpu, reference, tpu
 
 # Peak HBM bandwidth (bytes/s) by device_kind substring, from vendor data sheets.
@@ -48,14 +55,16 @@ def peak_bandwidth(kind: str) -> float | None:
     return None
 
 
-def make_batch(q_lens, context, num_heads, num_kv_heads, head_dim, page_size, dtype, cache_shape_fn, seed=0):
+def make_batch(q_lens, context, num_heads, num_kv_heads, head_dim, page_size, dtype, cache_shape_fn, seed=0, layers=1):
     """A batch of sequences with ``q_len`` new tokens each at ``context`` tokens of KV, pages shuffled."""
     rng = np.random.default_rng(seed)
     pages_per_seq = -(-context // page_size)
     num_pages = len(q_lens) * pages_per_seq + 1
-    shape = cache_shape_fn(1, num_pages, page_size, num_kv_heads, head_dim)
+    shape = cache_shape_fn(layers, num_pages, page_size, num_kv_heads, head_dim)
     key = jax.random.key(seed)
     kv_cache = jax.random.normal(key, shape, jnp.float32).astype(dtype)
+    if cache_shape_fn is cpu.get_kv_cache_shape:  # the CPU kernel holds bfloat16 as its bits
+        kv_cache = jax.lax.bitcast_convert_type(kv_cache, cpu.storage_dtype(dtype))
     page_table = (rng.permutation(num_pages - 1)[: len(q_lens) * pages_per_seq] + 1).reshape(len(q_lens), -1)
     num_tokens = sum(q_lens)
     q = jax.random.normal(jax.random.fold_in(key, 1), (num_tokens, num_heads, head_dim), jnp.float32).astype(dtype)
@@ -73,7 +82,7 @@ def make_batch(q_lens, context, num_heads, num_kv_heads, head_dim, page_size, dt
         kv_lens=jnp.full((len(q_lens),), context, jnp.int32),
         page_table=jnp.asarray(page_table, jnp.int32),
         query_start_loc=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
-        kv_bytes=len(q_lens) * context * 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize,
+        kv_bytes=layers * len(q_lens) * context * 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize,
     )
 
 
@@ -101,44 +110,58 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32" if platform == "cpu" else "bfloat16")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--interpret", action="store_true", help="Pallas kernels in interpret mode (tiny shapes only)")
+    ap.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head_dim")
+    ap.add_argument("--workloads", default="decode,mixed", help="comma-separated: decode, mixed, prefill")
+    ap.add_argument("--layers", type=int, default=1, help="layers of cache, attended in turn in one program")
     args = ap.parse_args()
-    num_heads, num_kv_heads, head_dim = 32, 8, 128
+    num_heads, num_kv_heads, head_dim = (int(x) for x in args.heads.split(","))
     device = jax.devices()[0]
     peak = peak_bandwidth(device.device_kind)
     print(f"device: {device.device_kind} ({platform}), jax {jax.__version__}, dtype {args.dtype}")
     print(f"peak HBM bandwidth: {peak / 1e9:.0f} GB/s" if peak else "peak HBM bandwidth: unknown for this device")
     print(f"shapes: {num_heads} q heads / {num_kv_heads} KV heads, head_dim {head_dim}, context {args.context}")
+    if platform == "cpu":
+        print(f"cpu: {cpu_model()}")
     header = (
         f"{'workload':<8} {'page':>4} {'backend':<11} {'attention ms':>12} {'GB/s':>8} {'% peak':>7} {'write ms':>9}"
     )
     print(header)
     print("-" * len(header))
     workloads = {
-        "decode": [1] * args.num_decodes,
-        "mixed": [1] * (args.num_decodes - 1) + [args.chunk],
+        "decode": ([1] * args.num_decodes, args.context),
+        "mixed": ([1] * (args.num_decodes - 1) + [args.chunk], args.context),
+        "prefill": ([args.chunk], args.chunk),
     }
     for page_size in (int(p) for p in args.page_sizes.split(",")):
-        for name, q_lens in workloads.items():
+        for name in args.workloads.split(","):
+            q_lens, context = workloads[name]
             for backend in args.backends.split(","):
                 mod = MODULES[backend]
                 try:
                     b = make_batch(
                         q_lens,
-                        args.context,
+                        context,
                         num_heads,
                         num_kv_heads,
                         head_dim,
                         page_size,
                         args.dtype,
                         mod.get_kv_cache_shape,
+                        layers=args.layers,
                     )
                     sizes = BlockSizes(block_q=16, block_pages=max(1, 128 // page_size))
                     kw = {"interpret": args.interpret} if backend.startswith("pallas") else {}
-                    attend = jax.jit(
-                        lambda q, c, kl, pt, qsl, mod=mod, kw=kw, sizes=sizes: (
-                            mod.ref_ragged_paged_attention if mod is reference else mod.ragged_paged_attention
-                        )(q, c, 0, kl, pt, qsl, 0, sm_scale=head_dim**-0.5, block_sizes=sizes, **kw)
-                    )
+                    fn = mod.ref_ragged_paged_attention if mod is reference else mod.ragged_paged_attention
+
+                    def layers(q, c, kl, pt, qsl, fn=fn, kw=kw, sizes=sizes):
+                        # Every layer in one program, as the model's layer scan runs them.
+                        def one(carry, layer):
+                            out = fn(q, c, layer, kl, pt, qsl, 0, sm_scale=head_dim**-0.5, block_sizes=sizes, **kw)
+                            return carry + out[0, 0, 0].astype(jnp.float32), None
+
+                        return jax.lax.scan(one, jnp.float32(0), jnp.arange(args.layers))[0]
+
+                    attend = jax.jit(layers)
                     write = jax.jit(
                         lambda c, s, k, v, mod=mod, kw=kw: (mod.ref_write_kv if mod is reference else mod.write_kv)(
                             c, 0, s, k, v, **kw

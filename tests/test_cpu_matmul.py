@@ -5,6 +5,9 @@ beside it, and bad inputs refused by name."""
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +100,39 @@ def test_swiglu_matches_silu_of_the_two_products(k, i, dtype):
         outs.append(np.asarray(f(jnp.asarray(x), stack), np.float32)[m - 3])
     for other in outs[1:]:
         np.testing.assert_array_equal(outs[0], other)
+
+
+def test_oneDNNs_plain_gemm_keeps_rows_independent_too():
+    """Without AVX-512 oneDNN runs float32 on its plain GEMM, which changes kernels past 256
+    rows (cpu_matmul.cc): both matmul calls split larger calls into row blocks. Checked
+    here on any CPU by capping oneDNN at AVX2 (ONEDNN_MAX_CPU_ISA) in a child process that
+    reruns this file's row-independence tests (the SwiGLU call once had no such blocks)."""
+    if cpu_matmul.impl(512, 576, 3072, np.float32).startswith("gemm"):
+        pytest.skip("oneDNN's plain GEMM is this CPU's path: the tests above ran on it")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "JAX_PLATFORMS": "cpu"}
+    probe = "from pallas_kernels import cpu_matmul; print(cpu_matmul.impl(512, 576, 3072, 'float32'))"
+    impl = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert impl.stdout.strip().startswith("gemm"), impl.stdout + impl.stderr[-2000:]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:xdist",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "a_row or swiglu",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
 def test_bad_inputs_are_refused_by_name():
