@@ -8,7 +8,9 @@ n, dtype)`` runs ``x @ w[layer]`` in an XLA FFI call that reads the layer's byte
 place, each slice on one of XLA's intra-op threads (``cpu_threads.h``). XLA:CPU's own
 dots instead get a plain weight on every call (and, inside the layer scan, a copy of each
 layer's slice first): on a 2-core AMX CPU a chain of SmolLM2's MLP matmuls runs 2-4x
-faster so at 8-32 rows and ~1.15x at 512.
+faster so at 8-32 rows and ~1.15x at 512. ``swiglu`` runs the MLP's gate|up weight the
+same way and returns ``silu(gate) * up`` from the same call (``pack_swiglu``'s slices each
+hold their gate and up columns).
 
 The library is oneDNN's CPU build from PyPI (``onednn-cpu-gomp``, headers in
 ``onednn-devel-cpu-gomp``; x86-64 Linux), compiled against on first use with the other
