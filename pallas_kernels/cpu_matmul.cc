@@ -38,6 +38,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -141,6 +142,25 @@ ffi::Error RunItems(ffi::ThreadPool& pool, int64_t n, const std::function<void(i
   return ffi::Error::Success();
 }
 
+// A call's rows as balanced blocks of at most `max_rows` (at most kMaxGemmRows on oneDNN's
+// plain GEMM, which keeps it on one kernel; at least 8 rows each where the call has them),
+// so a row's product never depends on its neighbours. Block b has rows [Row(b), Row(b + 1)):
+// two sizes at most, one primitive each. Throws dnnl::error.
+struct RowBlocks {
+  RowBlocks(int64_t m, int64_t k, int64_t n, bool f32, int64_t max_rows) : m(m) {
+    const int64_t limit = Primitive(std::min(m, kMaxGemmRows), k, n, f32)->gemm ? std::min(max_rows, kMaxGemmRows)
+                                                                                 : max_rows;
+    count = std::max<int64_t>(1, std::min((m + limit - 1) / limit, m / 8));
+    small = Primitive(m / count, k, n, f32);
+    large = m % count ? Primitive(m / count + 1, k, n, f32) : small;
+  }
+  int64_t Row(int64_t b) const { return b * m / count; }
+  const Entry& Of(int64_t b) const { return Row(b + 1) - Row(b) == m / count ? *small : *large; }
+
+  int64_t m, count;
+  std::shared_ptr<const Entry> small, large;
+};
+
 // x [M, K] @ w[layer] -> out [slices, M, N / slices]: slice i (columns [i * N / slices,
 // (i + 1) * N / slices) of the weight, packed on its own) runs on one of XLA's threads
 // into its own dense block (oneDNN 3.2's fast kernels take no row stride on the output).
@@ -159,21 +179,14 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> p
   const int64_t m = xd[0], k = xd[1], slices = od[0], width = od[2];
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument("layer " + std::to_string(l) + " is not in packed");
-  // Row blocks: the whole call, or on the plain GEMM balanced blocks of <= kMaxGemmRows
-  // (block b has rows [b * m / blocks, (b + 1) * m / blocks): two sizes at most).
-  std::shared_ptr<const Entry> entry, small, large;
-  int64_t blocks = 1;
+  // Row blocks: the whole call, or on the plain GEMM balanced blocks (RowBlocks).
+  std::optional<RowBlocks> blocks;
   try {
-    entry = Primitive(m, k, width, f32);
-    if (entry->gemm && m > kMaxGemmRows) {
-      blocks = (m + kMaxGemmRows - 1) / kMaxGemmRows;
-      small = Primitive(m / blocks, k, width, f32);
-      large = m % blocks ? Primitive(m / blocks + 1, k, width, f32) : small;
-    }
+    blocks.emplace(m, k, width, f32, std::max<int64_t>(m, 1));
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("oneDNN matmul: ") + e.what());
   }
-  const int64_t slice_bytes = static_cast<int64_t>(entry->weights.get_size());
+  const int64_t slice_bytes = static_cast<int64_t>(blocks->small->weights.get_size());
   if (slice_bytes * slices != pd[1]) {
     return ffi::Error::InvalidArgument("packed holds " + std::to_string(pd[1]) + " bytes per layer; " +
                                        std::to_string(slices) + " slices of a [" + std::to_string(k) + ", " +
@@ -181,11 +194,9 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> p
   }
   const uint8_t* bytes = packed.typed_data() + static_cast<int64_t>(l) * pd[1];
   const size_t x_row_bytes = static_cast<size_t>(k) * (f32 ? 4 : 2);
-  return RunItems(pool, slices * blocks, [&](int item) {
-    const int64_t i = item / blocks, b = item % blocks;
-    const int64_t row = b * m / blocks, rows = (b + 1) * m / blocks - row;
-    const Entry& e = blocks == 1 ? *entry : rows == m / blocks ? *small : *large;
-    Execute(e, static_cast<char*>(x.untyped_data()) + row * x_row_bytes, bytes + i * slice_bytes,
+  return RunItems(pool, slices * blocks->count, [&](int item) {
+    const int64_t i = item / blocks->count, b = item % blocks->count, row = blocks->Row(b);
+    Execute(blocks->Of(b), static_cast<char*>(x.untyped_data()) + row * x_row_bytes, bytes + i * slice_bytes,
             out->typed_data() + (i * m + row) * width);
   });
 }
@@ -283,20 +294,14 @@ ffi::Error MatmulSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   const int64_t m = xd[0], k = xd[1], width = od[1] / slices;
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument("layer " + std::to_string(l) + " is not in packed");
-  // Balanced blocks of at most kSwiGluRows rows (two sizes at most; on oneDNN's plain GEMM
-  // at most kMaxGemmRows, which keeps it on one kernel), at least 8 rows each where the
-  // call has them: a row's product then does not depend on its neighbours.
-  std::shared_ptr<const Entry> small, large;
-  int64_t blocks = 1;
+  // Blocks of at most kSwiGluRows rows (RowBlocks).
+  std::optional<RowBlocks> blocks;
   try {
-    const int64_t limit = Primitive(std::min(m, kMaxGemmRows), k, 2 * width, f32)->gemm ? kMaxGemmRows : kSwiGluRows;
-    blocks = std::max<int64_t>(1, std::min((m + limit - 1) / limit, m / 8));
-    small = Primitive(m / blocks, k, 2 * width, f32);
-    large = m % blocks ? Primitive(m / blocks + 1, k, 2 * width, f32) : small;
+    blocks.emplace(m, k, 2 * width, f32, kSwiGluRows);
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("oneDNN matmul: ") + e.what());
   }
-  const int64_t slice_bytes = static_cast<int64_t>(small->weights.get_size());
+  const int64_t slice_bytes = static_cast<int64_t>(blocks->small->weights.get_size());
   if (slice_bytes * slices != pd[1]) {
     return ffi::Error::InvalidArgument("packed holds " + std::to_string(pd[1]) + " bytes per layer; " +
                                        std::to_string(slices) + " slices of a [" + std::to_string(k) + ", " +
@@ -305,13 +310,13 @@ ffi::Error MatmulSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   }
   const uint8_t* bytes = packed.typed_data() + static_cast<int64_t>(l) * pd[1];
   const size_t x_row_bytes = static_cast<size_t>(k) * (f32 ? 4 : 2);
-  return RunItems(pool, slices * blocks, [&](int item) {
+  return RunItems(pool, slices * blocks->count, [&](int item) {
     const int64_t i = item % slices, b = item / slices;
-    const int64_t row = b * m / blocks, rows = (b + 1) * m / blocks - row;
-    const Entry& e = rows == m / blocks ? *small : *large;
+    const int64_t row = blocks->Row(b), rows = blocks->Row(b + 1) - row;
     thread_local std::vector<float> product;
     product.resize(std::max<size_t>(product.size(), static_cast<size_t>(rows * 2 * width)));
-    Execute(e, static_cast<char*>(x.untyped_data()) + row * x_row_bytes, bytes + i * slice_bytes, product.data());
+    Execute(blocks->Of(b), static_cast<char*>(x.untyped_data()) + row * x_row_bytes, bytes + i * slice_bytes,
+            product.data());
     for (int64_t r = 0; r < rows; ++r) {
       const float* g = product.data() + r * 2 * width;
       const int64_t at = (row + r) * od[1] + i * width;
