@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -104,12 +105,22 @@ def tpu_target(topology: str) -> Target:
     from jax.experimental import topologies
     from jax.experimental.pallas import tpu as pltpu
 
+    platforms = jax.config.jax_platforms
+    if platforms and "tpu" not in platforms.split(","):
+        # libtpu's one-process lock (/tmp/libtpu_lockfile) guards a TPU VM's chips. A process
+        # whose JAX runs on the CPU drives none, so the lock would only make two compiles at
+        # once refuse each other (two test workers; a compile beside another CPU process).
+        # With JAX free to pick the TPU, the lock stays: that process may open the chips.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         topo = topologies.get_topology_desc(topology, "tpu")
     except Exception as e:  # noqa: BLE001 - libtpu's errors are plain RuntimeErrors
+        first = str(e).splitlines()[0]
+        hint = "names look like v5e:2x2, v6e:2x2, v5p:2x2x1, and need libtpu (pip install 'jax[tpu]')"
+        if "lockfile" in first:
+            hint = "another process holds libtpu's lock; compile-only devices need no chip: run with JAX_PLATFORMS=cpu"
         raise ConfigError(
-            f"--topology {topology!r}: no compile-only TPU devices ({type(e).__name__}: {str(e).splitlines()[0]}); "
-            "names look like v5e:2x2, v6e:2x2, v5p:2x2x1, and need libtpu (pip install 'jax[tpu]')"
+            f"--topology {topology!r}: no compile-only TPU devices ({type(e).__name__}: {first}); {hint}"
         ) from None
     kind = topo.devices[0].device_kind
     if kind not in TPU_CHIPS:

@@ -170,3 +170,44 @@ def test_unknown_topology_and_arch_are_one_line_errors():
         aot.tpu_target("v9z:1x1")
     with pytest.raises(ConfigError, match="--arch 'nope': not a preset"):
         aot.model_config("nope")
+
+
+_HOLD_LIBTPU = """
+import os, sys
+os.environ.pop("ALLOW_MULTIPLE_LIBTPU_LOAD", None)
+from jax.experimental import topologies
+topologies.get_topology_desc("v5e:2x2", "tpu")
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_compile_beside_a_process_holding_libtpu_still_gets_its_devices():
+    """libtpu locks /tmp/libtpu_lockfile per process. Two compile-only processes (the suite's two
+    workers, a compile beside a CPU server) must not refuse each other: CI failed on this once.
+    The holder is a plain libtpu process; the compile runs in a second child, so neither is
+    this worker, which may have loaded libtpu itself."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ALLOW_MULTIPLE_LIBTPU_LOAD"}
+    env["JAX_PLATFORMS"] = "cpu"
+    with subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LIBTPU], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as holder:
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            compile_only = subprocess.run(
+                [sys.executable, "-c", "from jaxserve import aot; print(aot.tpu_target('v5e:2x2').chip.kind)"],
+                env=env,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+        finally:
+            holder.stdin.close()
+            holder.wait(timeout=60)
+    assert compile_only.returncode == 0, compile_only.stderr[-2000:]
+    assert compile_only.stdout.strip() == "TPU v5 lite"
