@@ -75,6 +75,37 @@ dnnl::memory::desc PackedDesc(int64_t k, int64_t n, bool f32) {
   return dnnl::matmul::primitive_desc(Engine(), a, b, c).weights_desc();
 }
 
+// How a packed weight's columns can be taken a range at a time: oneDNN's blocked layouts
+// for AMX and AVX-512 (BA16a64b2a for bfloat16 on AMX: 64 columns x all of K per block)
+// store each block of columns whole, one block after another, so columns [c, c + n) with
+// c and n multiples of the block are, from c's block on, the packed layout of an n-wide
+// weight. `block` is 0 where that does not hold (oneDNN's plain GEMM reads [K, N] rows).
+struct ColumnLayout {
+  int64_t block = 0, block_bytes = 0;
+};
+
+ColumnLayout Columns(int64_t k, int64_t n, bool f32) {
+  const dnnl::memory::desc whole = PackedDesc(k, n, f32);
+  const auto blks = whole.get_inner_blks();
+  const auto idxs = whole.get_inner_idxs();
+  const auto strides = whole.get_strides();
+  if (whole.get_format_kind() != dnnl::memory::format_kind::blocked || strides.size() != 2) return {};
+  int64_t block = 1;
+  for (size_t i = 0; i < blks.size(); ++i) block *= idxs[i] == 1 ? blks[i] : 1;
+  const int64_t item = f32 ? 4 : 2;
+  if (block < 2 || n % block || strides[1] < strides[0] ||
+      static_cast<int64_t>(whole.get_size()) != n / block * strides[1] * item) {
+    return {};
+  }
+  // A narrower weight must be packed the same way (same blocks, same strides).
+  const dnnl::memory::desc one = PackedDesc(k, block, f32);
+  if (one.get_inner_blks() != blks || one.get_inner_idxs() != idxs || one.get_strides()[0] != strides[0] ||
+      static_cast<int64_t>(one.get_size()) != strides[1] * item) {
+    return {};
+  }
+  return {block, strides[1] * item};
+}
+
 struct Entry {
   dnnl::memory::desc src, weights, dst, scratchpad;
   dnnl::matmul primitive;
@@ -234,6 +265,13 @@ JAXSERVE_FMA inline SwiGluLanes SwiGlu16(SwiGluLanes g, SwiGluLanes u) {
 
 inline void Store16(SwiGluLanes h, float* out) { std::memcpy(out, &h, sizeof h); }
 inline void Store16(SwiGluLanes h, uint16_t* out) {
+#ifdef __AVX512BF16__
+  // The CPU's conversion: the same rounding in one instruction (a quarter of the reduction's
+  // time was the generic code below), save that it flushes float32 subnormals to zero.
+  __m512 x;
+  std::memcpy(&x, &h, sizeof x);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+#else
   typedef uint32_t U __attribute__((vector_size(64)));
   typedef uint16_t U16 __attribute__((vector_size(32)));
   U bits;
@@ -242,6 +280,7 @@ inline void Store16(SwiGluLanes h, uint16_t* out) {
   const U narrow = (bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded;  // NaN stays NaN
   const U16 out16 = __builtin_convertvector(narrow, U16);
   std::memcpy(out, &out16, sizeof out16);
+#endif
 }
 
 // JAXSERVE_FMA as SwiGlu16's: GCC inlines no function whose optimize attributes differ
@@ -268,17 +307,25 @@ JAXSERVE_FMA void SwiGlu(const float* g, const float* u, Out* out, int64_t n) {
 }
 
 // Rows per block of a SwiGLU call: each block's [rows, 2 * width] product lands in a
-// thread's scratch and is reduced to [rows, width] from there. oneDNN loses more on
-// smaller blocks than the cache gains: a 500-token prefill's 30 calls took 53 ms in
-// blocks of 128 rows, 50 in 64s, 44 in one block (2-core AMX Xeon), against 38 ms of
-// matmul and 12 of XLA's SiLU fusion before.
+// thread's scratch and is reduced to [rows, width] from there. Smaller blocks of rows cost
+// more than they saved (oneDNN rereads a slice's weights per block: a 500-token prefill's
+// 30 calls took 53 ms in blocks of 128 rows, 44 in one block, 2-core AMX Xeon), so large
+// calls split the columns instead (kSwiGluProductBytes).
 constexpr int64_t kSwiGluRows = 512;
+// Bytes of float32 product one work item may fill, so that it is reduced from the core's
+// cache (2 MB of L2 on that Xeon), not from memory: a 500-token prefill's products are 3 MB
+// per slice, so on a blocked layout (Columns) its items take parts of a slice's columns,
+// each one product of the part's gate columns and one of its up columns. Those 30 calls:
+// 44 -> 33-36 ms (with the CPU's bfloat16 conversion in Store16), against 27 ms for the
+// bare [512, 576] x [576, 3072] products. A row's values do not depend on the part's width
+// (same blocks of K, same order): calls of a few rows still run whole slices.
+constexpr int64_t kSwiGluProductBytes = 512 << 10;
 
 // silu(x @ gate) * (x @ up) -> out [M, I] in x's dtype. The fused weight was packed as
 // `slices` column slices of [gate | up] for the same I / slices columns each
-// (cpu_matmul.py: pack_swiglu); a work item is one slice and one block of rows (items
-// alternate between slices, so a thread taking every other item stays on one slice's
-// weights), multiplied into the thread's scratch, then reduced into its columns of out.
+// (cpu_matmul.py: pack_swiglu); a work item is one slice (or part of one) and one block of
+// rows (items alternate between slices, so a thread taking every other item stays on one
+// slice's weights), multiplied into the thread's scratch, then reduced into its columns.
 ffi::Error MatmulSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed,
                         ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out, int64_t slices) {
   auto xd = x.dimensions();
@@ -294,14 +341,28 @@ ffi::Error MatmulSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   const int64_t m = xd[0], k = xd[1], width = od[1] / slices;
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument("layer " + std::to_string(l) + " is not in packed");
-  // Blocks of at most kSwiGluRows rows (RowBlocks).
+  // Blocks of at most kSwiGluRows rows (RowBlocks); on a blocked layout (Columns) also
+  // parts of each slice's columns, so that a block's product fits kSwiGluProductBytes.
   std::optional<RowBlocks> blocks;
+  int64_t slice_bytes = 0, part = width;
+  ColumnLayout columns;
   try {
-    blocks.emplace(m, k, 2 * width, f32, kSwiGluRows);
+    slice_bytes = static_cast<int64_t>(PackedDesc(k, 2 * width, f32).get_size());
+    columns = Columns(k, 2 * width, f32);
+    const int64_t product_row_bytes = 2 * sizeof(float) * std::min(m, kSwiGluRows);  // per column of a part
+    if (columns.block && width % columns.block == 0 && width * product_row_bytes > kSwiGluProductBytes) {
+      part = columns.block;  // the widest that divides the slice and fits, else one block
+      for (int64_t w = width; w > columns.block; w -= columns.block) {
+        if (width % w == 0 && w * product_row_bytes <= kSwiGluProductBytes) {
+          part = w;
+          break;
+        }
+      }
+    }
+    blocks.emplace(m, k, part == width ? 2 * width : part, f32, kSwiGluRows);
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("oneDNN matmul: ") + e.what());
   }
-  const int64_t slice_bytes = static_cast<int64_t>(blocks->small->weights.get_size());
   if (slice_bytes * slices != pd[1]) {
     return ffi::Error::InvalidArgument("packed holds " + std::to_string(pd[1]) + " bytes per layer; " +
                                        std::to_string(slices) + " slices of a [" + std::to_string(k) + ", " +
@@ -310,20 +371,34 @@ ffi::Error MatmulSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   }
   const uint8_t* bytes = packed.typed_data() + static_cast<int64_t>(l) * pd[1];
   const size_t x_row_bytes = static_cast<size_t>(k) * (f32 ? 4 : 2);
-  return RunItems(pool, slices * blocks->count, [&](int item) {
-    const int64_t i = item % slices, b = item / slices;
+  const int64_t parts = width / part;
+  // Packed bytes of a slice from column c on (c a multiple of the layout's block).
+  auto from_column = [&](const uint8_t* slice, int64_t c) { return slice + c / columns.block * columns.block_bytes; };
+  return RunItems(pool, slices * parts * blocks->count, [&](int item) {
+    const int64_t i = item % slices, p = item / slices % parts, b = item / slices / parts;
     const int64_t row = blocks->Row(b), rows = blocks->Row(b + 1) - row;
     thread_local std::vector<float> product;
-    product.resize(std::max<size_t>(product.size(), static_cast<size_t>(rows * 2 * width)));
-    Execute(blocks->Of(b), static_cast<char*>(x.untyped_data()) + row * x_row_bytes, bytes + i * slice_bytes,
-            product.data());
+    product.resize(std::max<size_t>(product.size(), static_cast<size_t>(rows * 2 * part)));
+    const char* xr = static_cast<char*>(x.untyped_data()) + row * x_row_bytes;
+    const uint8_t* slice = bytes + i * slice_bytes;
+    // A row's gate and up values: [gate | up] of the whole slice in one product, or a
+    // part's gate columns, then its up columns, as two.
+    const float *gate = product.data(), *up;
+    int64_t stride;
+    if (parts == 1) {
+      Execute(blocks->Of(b), xr, slice, product.data());
+      up = gate + width, stride = 2 * width;
+    } else {
+      up = gate + rows * part, stride = part;
+      Execute(blocks->Of(b), xr, from_column(slice, p * part), product.data());
+      Execute(blocks->Of(b), xr, from_column(slice, width + p * part), product.data() + rows * part);
+    }
     for (int64_t r = 0; r < rows; ++r) {
-      const float* g = product.data() + r * 2 * width;
-      const int64_t at = (row + r) * od[1] + i * width;
+      const int64_t at = (row + r) * od[1] + i * width + p * part;
       if (f32) {
-        SwiGlu(g, g + width, static_cast<float*>(out->untyped_data()) + at, width);
+        SwiGlu(gate + r * stride, up + r * stride, static_cast<float*>(out->untyped_data()) + at, part);
       } else {
-        SwiGlu(g, g + width, static_cast<uint16_t*>(out->untyped_data()) + at, width);
+        SwiGlu(gate + r * stride, up + r * stride, static_cast<uint16_t*>(out->untyped_data()) + at, part);
       }
     }
   });

@@ -78,7 +78,8 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(k, n, dtype):
 def test_swiglu_matches_silu_of_the_two_products(k, i, dtype):
     """One call gives silu(x @ gate) * (x @ up) in the weights' dtype (what the next matmul
     reads): against the same two products by XLA and jax.nn.silu, and for each row of a
-    call of 8 to 1100 rows (blocks of rows past 512) the same bits as in any other."""
+    call of 8 to 1100 rows the same bits as in any other (calls of 512+ rows run parts of
+    each slice's columns, past 512 also blocks of rows: cpu_matmul.cc)."""
     gate, up = _weight(k, i, dtype, seed=3), _weight(k, i, dtype, seed=4)
     stack = jnp.asarray(np.stack([cpu_matmul.pack_swiglu(_weight(k, i, dtype, 5), _weight(k, i, dtype, 6)),
                                   cpu_matmul.pack_swiglu(gate, up)]))  # fmt: skip
