@@ -82,6 +82,8 @@ dnnl::memory::desc PackedDesc(int64_t k, int64_t n, bool f32) {
 // weight. `block` is 0 where that does not hold (oneDNN's plain GEMM reads [K, N] rows).
 struct ColumnLayout {
   int64_t block = 0, block_bytes = 0;
+  // A packed slice's bytes from column c on (c a multiple of the block, or 0).
+  const uint8_t* At(const uint8_t* slice, int64_t c) const { return c ? slice + c / block * block_bytes : slice; }
 };
 
 ColumnLayout Columns(int64_t k, int64_t n, bool f32) {
@@ -191,6 +193,81 @@ struct RowBlocks {
   int64_t m, count;
   std::shared_ptr<const Entry> small, large;
 };
+
+// Bytes of float32 product one work item may fill, so that it is read back (reduced into
+// the output) from the core's cache (2 MB of L2 on a 2-core AMX Xeon), not from memory:
+// a 500-token prefill's gate|up products are 3 MB per slice.
+constexpr int64_t kProductBytes = 512 << 10;
+
+// Columns of a `width`-wide slice per work item: all of them, or on a blocked layout
+// (Columns) the widest part that divides them in whole blocks and whose float32 products
+// for `rows` rows, `products` per column (SwiGLU: gate and up), fit kProductBytes (at
+// least one block). Calls of a few rows run whole slices, so a part must compute every
+// value bitwise as the whole slice does (PartsAgree).
+int64_t PartWidth(const ColumnLayout& layout, int64_t width, int64_t rows, int64_t products) {
+  const int64_t column_bytes = products * static_cast<int64_t>(sizeof(float)) * rows;
+  if (!layout.block || width % layout.block || width * column_bytes <= kProductBytes) return width;
+  for (int64_t part = width - layout.block; part > layout.block; part -= layout.block) {
+    if (width % part == 0 && part * column_bytes <= kProductBytes) return part;
+  }
+  return layout.block;
+}
+
+// Whether `part`-wide column ranges of an `n`-wide packed weight give, in calls of `rows`
+// rows, bitwise the products of the whole weight. Nothing in oneDNN promises it: a kernel
+// for another width may block K differently, which changes the order of a sum (an LM head
+// run in parts whose width varied with the rows lost its rows' independence). Checked once
+// per shape and row count (the engine's calls come in a few bucket sizes), on pseudo-random
+// operands, where the weight takes at most 32 MB and the products at most 64 (larger calls
+// run whole slices). Throws dnnl::error.
+bool PartsAgree(int64_t rows, int64_t k, int64_t n, int64_t part, bool f32, const ColumnLayout& columns) {
+  static std::mutex mu;
+  static std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, bool>, bool> checked;
+  const auto key = std::make_tuple(rows, k, n, part, f32);
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = checked.find(key); it != checked.end()) return it->second;
+  const int64_t item = f32 ? 4 : 2;
+  bool agree = k * n * item <= (int64_t{32} << 20) && rows * n * 4 <= (int64_t{64} << 20);
+  if (agree) {
+    // Values of either dtype: float32 with bits below bfloat16's cleared.
+    uint32_t state = 12345;
+    auto fill = [&](std::vector<uint8_t>& out, int64_t count) {
+      out.resize(count * item);
+      for (int64_t i = 0; i < count; ++i) {
+        state = state * 1664525u + 1013904223u;
+        const float v = static_cast<float>(static_cast<int32_t>(state >> 8) - (1 << 23)) / (1 << 23);
+        uint32_t bits;
+        std::memcpy(&bits, &v, sizeof bits);
+        bits &= 0xffff0000u;
+        if (f32) {
+          std::memcpy(&out[i * 4], &bits, 4);
+        } else {
+          const uint16_t top = static_cast<uint16_t>(bits >> 16);
+          std::memcpy(&out[i * 2], &top, 2);
+        }
+      }
+    };
+    std::vector<uint8_t> x, plain, packed(PackedDesc(k, n, f32).get_size());
+    fill(x, rows * k);
+    fill(plain, k * n);
+    dnnl::stream stream(Engine());
+    dnnl::memory src({{k, n}, WeightType(f32), tag::ab}, Engine(), plain.data());
+    dnnl::memory dst(PackedDesc(k, n, f32), Engine(), packed.data());
+    dnnl::reorder(src, dst).execute(stream, src, dst);
+    stream.wait();
+    std::vector<float> whole(rows * n), piece(rows * part);
+    Execute(*Primitive(rows, k, n, f32), x.data(), packed.data(), whole.data());
+    const auto narrow = Primitive(rows, k, part, f32);
+    for (int64_t c = 0; agree && c < n; c += part) {
+      Execute(*narrow, x.data(), columns.At(packed.data(), c), piece.data());
+      for (int64_t r = 0; agree && r < rows; ++r) {
+        agree = std::memcmp(&whole[r * n + c], &piece[r * part], part * sizeof(float)) == 0;
+      }
+    }
+  }
+  checked.emplace(key, agree);
+  return agree;
+}
 
 // x [M, K] @ w[layer] -> out [slices, M, N / slices]: slice i (columns [i * N / slices,
 // (i + 1) * N / slices) of the weight, packed on its own) runs on one of XLA's threads
@@ -310,16 +387,31 @@ JAXSERVE_FMA void SwiGlu(const float* g, const float* u, Out* out, int64_t n) {
 // thread's scratch and is reduced to [rows, width] from there. Smaller blocks of rows cost
 // more than they saved (oneDNN rereads a slice's weights per block: a 500-token prefill's
 // 30 calls took 53 ms in blocks of 128 rows, 44 in one block, 2-core AMX Xeon), so large
-// calls split the columns instead (kSwiGluProductBytes).
+// calls split the columns instead (PartWidth): a work item is then one product of a part's
+// gate columns and one of its up columns. Those 30 calls: 44 -> 33-36 ms so (with the
+// CPU's bfloat16 conversion in Store16), against 27 ms for the bare [512, 576] x
+// [576, 3072] products.
 constexpr int64_t kSwiGluRows = 512;
-// Bytes of float32 product one work item may fill, so that it is reduced from the core's
-// cache (2 MB of L2 on that Xeon), not from memory: a 500-token prefill's products are 3 MB
-// per slice, so on a blocked layout (Columns) its items take parts of a slice's columns,
-// each one product of the part's gate columns and one of its up columns. Those 30 calls:
-// 44 -> 33-36 ms (with the CPU's bfloat16 conversion in Store16), against 27 ms for the
-// bare [512, 576] x [576, 3072] products. A row's values do not depend on the part's width
-// (same blocks of K, same order): calls of a few rows still run whole slices.
-constexpr int64_t kSwiGluProductBytes = 512 << 10;
+
+// How a SwiGLU call of m rows over `width`-wide [gate | up] slices is split: blocks of at
+// most kSwiGluRows rows (RowBlocks) and parts of `part` columns of each slice (PartWidth,
+// where PartsAgree for both sizes of the blocks). Throws dnnl::error.
+struct SwiGluPlan {
+  SwiGluPlan(int64_t m, int64_t k, int64_t width, bool f32)
+      : slice_bytes(static_cast<int64_t>(PackedDesc(k, 2 * width, f32).get_size())), columns(Columns(k, 2 * width, f32)) {
+    part = PartWidth(columns, width, std::min(m, kSwiGluRows), 2);
+    blocks.emplace(m, k, part == width ? 2 * width : part, f32, kSwiGluRows);
+    if (part == width) return;
+    const int64_t small = m / blocks->count, large = small + (m % blocks->count ? 1 : 0);
+    if (!PartsAgree(small, k, 2 * width, part, f32, columns) || !PartsAgree(large, k, 2 * width, part, f32, columns)) {
+      part = width;
+      blocks.emplace(m, k, 2 * width, f32, kSwiGluRows);
+    }
+  }
+  int64_t slice_bytes, part;
+  ColumnLayout columns;
+  std::optional<RowBlocks> blocks;
+};
 
 // silu(x @ gate) * (x @ up) -> out [M, I] in x's dtype. The fused weight was packed as
 // `slices` column slices of [gate | up] for the same I / slices columns each
@@ -341,28 +433,15 @@ ffi::Error MatmulSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   const int64_t m = xd[0], k = xd[1], width = od[1] / slices;
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument("layer " + std::to_string(l) + " is not in packed");
-  // Blocks of at most kSwiGluRows rows (RowBlocks); on a blocked layout (Columns) also
-  // parts of each slice's columns, so that a block's product fits kSwiGluProductBytes.
-  std::optional<RowBlocks> blocks;
-  int64_t slice_bytes = 0, part = width;
-  ColumnLayout columns;
+  std::optional<SwiGluPlan> plan;
   try {
-    slice_bytes = static_cast<int64_t>(PackedDesc(k, 2 * width, f32).get_size());
-    columns = Columns(k, 2 * width, f32);
-    const int64_t product_row_bytes = 2 * sizeof(float) * std::min(m, kSwiGluRows);  // per column of a part
-    if (columns.block && width % columns.block == 0 && width * product_row_bytes > kSwiGluProductBytes) {
-      part = columns.block;  // the widest that divides the slice and fits, else one block
-      for (int64_t w = width; w > columns.block; w -= columns.block) {
-        if (width % w == 0 && w * product_row_bytes <= kSwiGluProductBytes) {
-          part = w;
-          break;
-        }
-      }
-    }
-    blocks.emplace(m, k, part == width ? 2 * width : part, f32, kSwiGluRows);
+    plan.emplace(m, k, width, f32);
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("oneDNN matmul: ") + e.what());
   }
+  const int64_t slice_bytes = plan->slice_bytes, part = plan->part;
+  const RowBlocks* blocks = &*plan->blocks;
+  const ColumnLayout& columns = plan->columns;
   if (slice_bytes * slices != pd[1]) {
     return ffi::Error::InvalidArgument("packed holds " + std::to_string(pd[1]) + " bytes per layer; " +
                                        std::to_string(slices) + " slices of a [" + std::to_string(k) + ", " +
@@ -372,8 +451,6 @@ ffi::Error MatmulSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   const uint8_t* bytes = packed.typed_data() + static_cast<int64_t>(l) * pd[1];
   const size_t x_row_bytes = static_cast<size_t>(k) * (f32 ? 4 : 2);
   const int64_t parts = width / part;
-  // Packed bytes of a slice from column c on (c a multiple of the layout's block).
-  auto from_column = [&](const uint8_t* slice, int64_t c) { return slice + c / columns.block * columns.block_bytes; };
   return RunItems(pool, slices * parts * blocks->count, [&](int item) {
     const int64_t i = item % slices, p = item / slices % parts, b = item / slices / parts;
     const int64_t row = blocks->Row(b), rows = blocks->Row(b + 1) - row;
@@ -390,8 +467,8 @@ ffi::Error MatmulSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
       up = gate + width, stride = 2 * width;
     } else {
       up = gate + rows * part, stride = part;
-      Execute(blocks->Of(b), xr, from_column(slice, p * part), product.data());
-      Execute(blocks->Of(b), xr, from_column(slice, width + p * part), product.data() + rows * part);
+      Execute(blocks->Of(b), xr, columns.At(slice, p * part), product.data());
+      Execute(blocks->Of(b), xr, columns.At(slice, width + p * part), product.data() + rows * part);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t at = (row + r) * od[1] + i * width + p * part;
@@ -435,6 +512,18 @@ int JaxservePack(const void* weight, int64_t k, int64_t n, int64_t slices, int f
     }
     stream.wait();
     return 0;
+  } catch (const dnnl::error& e) {
+    last_error = e.what();
+    return -1;
+  }
+}
+
+// Columns per work item of a SwiGLU call of M rows over I outputs packed as `slices`
+// slices (SwiGluPlan: all I / slices, or a part), or -1 on error (JaxserveLastError says why).
+int64_t JaxserveSwiGluPart(int64_t m, int64_t k, int64_t i, int64_t slices, int f32) {
+  try {
+    if (slices < 1 || i % slices) throw dnnl::error(dnnl_invalid_arguments, "slices must divide I");
+    return SwiGluPlan(m, k, i / slices, f32 != 0).part;
   } catch (const dnnl::error& e) {
     last_error = e.what();
     return -1;

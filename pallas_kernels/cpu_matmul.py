@@ -41,6 +41,7 @@ __all__ = [
     "packed_bytes",
     "slices",
     "swiglu",
+    "swiglu_part",
     "swiglu_slices",
 ]
 
@@ -64,6 +65,8 @@ def _lib() -> tuple[ctypes.CDLL | None, str]:
     ]  # fmt: skip
     lib.JaxserveMatmulImpl.restype = ctypes.c_char_p
     lib.JaxserveMatmulImpl.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.JaxserveSwiGluPart.restype = ctypes.c_int64
+    lib.JaxserveSwiGluPart.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int]
     lib.JaxserveLastError.restype = ctypes.c_char_p
     return lib, ""
 
@@ -182,6 +185,17 @@ def pack_swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 def impl(m: int, k: int, n: int, dtype) -> str:
     """The oneDNN implementation that runs ``m`` rows of one slice (``brg:avx512_core_amx``...)."""
     return _checked().JaxserveMatmulImpl(m, k, n // slices(n, dtype), _is_f32(dtype)).decode()
+
+
+def swiglu_part(m: int, k: int, i: int, dtype) -> int:
+    """Columns of a slice that one work item of an ``m``-row ``swiglu`` call multiplies: all
+    of the slice's ``i / swiglu_slices(i)``, or, for calls whose products would not stay in
+    the core's cache, a part that oneDNN computes bitwise as the whole (cpu_matmul.cc)."""
+    lib = _checked()
+    part = lib.JaxserveSwiGluPart(m, k, i, swiglu_slices(i, dtype), _is_f32(dtype))
+    if part < 0:
+        raise RuntimeError(f"oneDNN: {lib.JaxserveLastError().decode()}")
+    return int(part)
 
 
 def matmul(x: jax.Array, packed: jax.Array, layer: jax.Array | int, n: int, dtype) -> jax.Array:

@@ -173,3 +173,18 @@ def test_matmul_backend_option():
         resolve_matmul("onednn", "float32", "cpu", sharded=True)
     with pytest.raises(ConfigError, match="matmul_backend"):
         EngineConfig(matmul_backend="mkl")
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+def test_a_prefills_swiglu_runs_parts_of_slices_and_a_decodes_whole_ones(dtype):
+    """A 512-row call's gate|up products (3 MB a slice) would be read back from memory: its work
+    items take parts of a slice, which oneDNN computes bitwise as the whole (checked when the
+    call is planned); a decode's 32 rows run whole slices. (AMX and AVX-512 BF16 pack in
+    blocks of columns; oneDNN's plain layouts cannot be split, and run whole slices.)"""
+    width = 1536 // cpu_matmul.swiglu_slices(1536, dtype)
+    assert cpu_matmul.swiglu_part(32, 576, 1536, dtype) == width
+    assert cpu_matmul.swiglu_part(8, 64, 40, dtype) == 40 // cpu_matmul.swiglu_slices(40, dtype)
+    part = cpu_matmul.swiglu_part(512, 576, 1536, dtype)
+    if "brg" not in cpu_matmul.impl(512, 576, 3072, dtype):
+        pytest.skip(f"oneDNN runs {cpu_matmul.impl(512, 576, 3072, dtype)} here: whole slices (part {part})")
+    assert part < width and width % part == 0, part
