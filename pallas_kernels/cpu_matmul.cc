@@ -108,6 +108,21 @@ ColumnLayout Columns(int64_t k, int64_t n, bool f32) {
   return {block, strides[1] * item};
 }
 
+// A row-major [K, N] weight (float32, or bfloat16 bits) into out: each of `slices` column
+// slices (slices divides N) in its packed layout, one after the other.
+void Pack(const void* weight, int64_t k, int64_t n, int64_t slices, bool f32, void* out) {
+  dnnl::stream stream(Engine());
+  const int64_t width = n / slices, item = f32 ? 4 : 2;
+  const dnnl::memory::desc packed = PackedDesc(k, width, f32);
+  for (int64_t i = 0; i < slices; ++i) {
+    const dnnl::memory::desc plain({k, width}, WeightType(f32), dnnl::memory::dims{n, 1});
+    dnnl::memory src(plain, Engine(), const_cast<char*>(static_cast<const char*>(weight) + i * width * item));
+    dnnl::memory dst(packed, Engine(), static_cast<uint8_t*>(out) + i * packed.get_size());
+    dnnl::reorder(src, dst).execute(stream, src, dst);
+  }
+  stream.wait();
+}
+
 struct Entry {
   dnnl::memory::desc src, weights, dst, scratchpad;
   dnnl::matmul primitive;
@@ -250,11 +265,7 @@ bool PartsAgree(int64_t rows, int64_t k, int64_t n, int64_t part, bool f32, cons
     std::vector<uint8_t> x, plain, packed(PackedDesc(k, n, f32).get_size());
     fill(x, rows * k);
     fill(plain, k * n);
-    dnnl::stream stream(Engine());
-    dnnl::memory src({{k, n}, WeightType(f32), tag::ab}, Engine(), plain.data());
-    dnnl::memory dst(PackedDesc(k, n, f32), Engine(), packed.data());
-    dnnl::reorder(src, dst).execute(stream, src, dst);
-    stream.wait();
+    Pack(plain.data(), k, n, 1, f32, packed.data());
     std::vector<float> whole(rows * n), piece(rows * part);
     Execute(*Primitive(rows, k, n, f32), x.data(), packed.data(), whole.data());
     const auto narrow = Primitive(rows, k, part, f32);
@@ -413,6 +424,19 @@ struct SwiGluPlan {
   std::optional<RowBlocks> blocks;
 };
 
+// One plan per (rows, K, width, weight type), made on first use as Primitive's entries are:
+// its layout queries (~10 us of oneDNN descriptor each) and PartsAgree's check stay off the
+// per-call path. Throws dnnl::error.
+std::shared_ptr<const SwiGluPlan> PlanFor(int64_t m, int64_t k, int64_t width, bool f32) {
+  static std::mutex mu;
+  static std::map<std::tuple<int64_t, int64_t, int64_t, bool>, std::shared_ptr<const SwiGluPlan>> plans;
+  const auto key = std::make_tuple(m, k, width, f32);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = plans.find(key);
+  if (it == plans.end()) it = plans.emplace(key, std::make_shared<const SwiGluPlan>(m, k, width, f32)).first;
+  return it->second;
+}
+
 // silu(x @ gate) * (x @ up) -> out [M, I] in x's dtype. The fused weight was packed as
 // `slices` column slices of [gate | up] for the same I / slices columns each
 // (cpu_matmul.py: pack_swiglu); a work item is one slice (or part of one) and one block of
@@ -433,9 +457,9 @@ ffi::Error MatmulSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   const int64_t m = xd[0], k = xd[1], width = od[1] / slices;
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument("layer " + std::to_string(l) + " is not in packed");
-  std::optional<SwiGluPlan> plan;
+  std::shared_ptr<const SwiGluPlan> plan;
   try {
-    plan.emplace(m, k, width, f32);
+    plan = PlanFor(m, k, width, f32);
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("oneDNN matmul: ") + e.what());
   }
@@ -501,16 +525,7 @@ int64_t JaxservePackedBytes(int64_t k, int64_t n, int64_t slices, int f32) {
 int JaxservePack(const void* weight, int64_t k, int64_t n, int64_t slices, int f32, void* out) {
   try {
     if (slices < 1 || n % slices) throw dnnl::error(dnnl_invalid_arguments, "slices must divide N");
-    dnnl::stream stream(Engine());
-    const int64_t width = n / slices, item = f32 ? 4 : 2;
-    const dnnl::memory::desc packed = PackedDesc(k, width, f32 != 0);
-    for (int64_t i = 0; i < slices; ++i) {
-      const dnnl::memory::desc plain({k, width}, WeightType(f32 != 0), dnnl::memory::dims{n, 1});
-      dnnl::memory src(plain, Engine(), const_cast<char*>(static_cast<const char*>(weight) + i * width * item));
-      dnnl::memory dst(packed, Engine(), static_cast<uint8_t*>(out) + i * packed.get_size());
-      dnnl::reorder(src, dst).execute(stream, src, dst);
-    }
-    stream.wait();
+    Pack(weight, k, n, slices, f32 != 0, out);
     return 0;
   } catch (const dnnl::error& e) {
     last_error = e.what();
@@ -523,7 +538,7 @@ int JaxservePack(const void* weight, int64_t k, int64_t n, int64_t slices, int f
 int64_t JaxserveSwiGluPart(int64_t m, int64_t k, int64_t i, int64_t slices, int f32) {
   try {
     if (slices < 1 || i % slices) throw dnnl::error(dnnl_invalid_arguments, "slices must divide I");
-    return SwiGluPlan(m, k, i / slices, f32 != 0).part;
+    return PlanFor(m, k, i / slices, f32 != 0)->part;
   } catch (const dnnl::error& e) {
     last_error = e.what();
     return -1;
