@@ -360,6 +360,7 @@ inline void Store16(SwiGluLanes h, uint16_t* out) {
   std::memcpy(&x, &h, sizeof x);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
 #else
+  // cpu_bf16.h's Bf16Bits, 16 lanes at a time.
   typedef uint32_t U __attribute__((vector_size(64)));
   typedef uint16_t U16 __attribute__((vector_size(32)));
   U bits;

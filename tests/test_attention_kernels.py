@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import os
 import re
 import shutil
@@ -341,6 +342,25 @@ def test_cpu_kernel_bfloat16_cache_is_read_at_float32_accuracy(
     )
     np.testing.assert_allclose(out_bits, out_f32, atol=2e-5, rtol=2e-5)
     assert np.all(out_bits[c.num_real_tokens :] == 0)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_cpu_kernel_bfloat16_output_is_its_float32_output_rounded(cache_dtype):
+    """``out_dtype=bfloat16`` (what a bfloat16 o_proj reads) stores each value as XLA's
+    cast of the float32 output would, bit for bit, and padding rows as zeros."""
+    c = make_case(_kernel_case_seqs("mixed"), 9, 3, 64, page_size=16)
+    if cache_dtype == "bfloat16":
+        bits = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(c.kv_cache, jnp.bfloat16), jnp.uint16))
+        c = dataclasses.replace(c, kv_cache=bits)
+    attend_bf16 = functools.partial(cpu.ragged_paged_attention, out_dtype=jnp.bfloat16)
+    _, out_f32 = _run(cpu.write_kv, cpu.ragged_paged_attention, c, 0, BlockSizes())
+    _, out_bf16 = _run(cpu.write_kv, attend_bf16, c, 0, BlockSizes())
+    assert out_bf16.dtype == jnp.bfloat16 and c.num_real_tokens < out_bf16.shape[0]
+    np.testing.assert_array_equal(
+        np.asarray(out_bf16).view(np.uint16), np.asarray(jnp.asarray(out_f32).astype(jnp.bfloat16)).view(np.uint16)
+    )
+    assert np.all(np.asarray(out_bf16[c.num_real_tokens :], np.float32) == 0)
 
 
 @needs_cpu_kernel

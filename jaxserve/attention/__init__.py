@@ -164,8 +164,11 @@ class AttentionBackend:
             return reference.ref_write_kv(kv_cache, layer, slot_mapping, k, v)
         return _KERNELS[self.name].write_kv(kv_cache, layer, slot_mapping, k, v, interpret=self.interpret)
 
-    def write_and_attend(self, q, k, v, kv_cache, layer, md: AttentionMetadata, sliding_window, *, sm_scale: float):
-        """Writes this step's K/V, then attends. Returns (output [T, Hq, D], kv_cache).
+    def write_and_attend(
+        self, q, k, v, kv_cache, layer, md: AttentionMetadata, sliding_window, *, sm_scale: float, out_dtype=None
+    ):
+        """Writes this step's K/V, then attends. Returns (output [T, Hq, D] in ``out_dtype``,
+        default q's, and kv_cache).
 
         With a mesh, each device runs both on its own KV heads and query heads; the
         metadata is replicated. No communication happens inside attention.
@@ -173,7 +176,8 @@ class AttentionBackend:
 
         def local(q, k, v, kv_cache, layer, md, sliding_window):
             kv_cache = self.write_kv(kv_cache, layer, md.slot_mapping, k, v)
-            return self.attention(q, kv_cache, layer, md, sliding_window, sm_scale=sm_scale), kv_cache
+            out = self.attention(q, kv_cache, layer, md, sliding_window, sm_scale=sm_scale, out_dtype=out_dtype)
+            return out, kv_cache
 
         if self.mesh is None:
             return local(q, k, v, kv_cache, layer, md, sliding_window)
@@ -186,13 +190,19 @@ class AttentionBackend:
             check_vma=False,
         )(q, k, v, kv_cache, layer, md, sliding_window)
 
-    def attention(self, q, kv_cache, layer, md: AttentionMetadata, sliding_window, *, sm_scale: float):
+    def attention(self, q, kv_cache, layer, md: AttentionMetadata, sliding_window, *, sm_scale: float, out_dtype=None):
+        """Attention output [T, Hq, D] in ``out_dtype`` (default q's): the CPU kernel stores
+        bfloat16 itself, the others' output is cast."""
         args = (q, kv_cache, layer, md.kv_lens, md.page_table, md.query_start_loc, sliding_window)
+        if self.name == "cpu":
+            return cpu.ragged_paged_attention(*args, sm_scale=sm_scale, out_dtype=out_dtype)
         if self.name == "reference":
-            return reference.ref_ragged_paged_attention(*args, sm_scale=sm_scale, block_sizes=self.block_sizes)
-        return _KERNELS[self.name].ragged_paged_attention(
-            *args, sm_scale=sm_scale, block_sizes=self.block_sizes, interpret=self.interpret
-        )
+            out = reference.ref_ragged_paged_attention(*args, sm_scale=sm_scale, block_sizes=self.block_sizes)
+        else:
+            out = _KERNELS[self.name].ragged_paged_attention(
+                *args, sm_scale=sm_scale, block_sizes=self.block_sizes, interpret=self.interpret
+            )
+        return out.astype(out_dtype or out.dtype)
 
 
 REFERENCE = AttentionBackend()

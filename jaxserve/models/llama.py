@@ -57,11 +57,6 @@ def dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(jnp.pad(x, ((0, 1), (0, 0))).astype(w.dtype), w, preferred_element_type=jnp.float32)[:1]
 
 
-def linear(x: jax.Array, w: jax.Array, dtype: str | None = None) -> jax.Array:
-    """``x @ w`` in the weight's dtype, accumulated in float32, back in ``x``'s dtype."""
-    return dot(x, weight(w, dtype)).astype(x.dtype)
-
-
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate-half ("NeoX") rotary embedding; x [T, H, D], cos/sin [T, D]."""
     half = x.shape[-1] // 2
@@ -167,18 +162,26 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = nnx.Param(jnp.ones((e,), dtype))
         self.cfg = cfg
 
-    def linear(self, x: jax.Array, name: str, layer: jax.Array) -> jax.Array:
+    def linear(self, x: jax.Array, name: str, layer: jax.Array, out_dtype=None) -> jax.Array:
+        """``x @ w`` of weight ``name``, accumulated in float32, in ``out_dtype`` (default x's)."""
         w = getattr(self, name)[...]
+        out_dtype = out_dtype or x.dtype
         if self.quant is not None and self.packed is not None:
             layout, (k, n) = self.quant.layout(name), self.shapes[name]
-            return cpu_int8.matmul(x, w, layer, k, n, layout.group, layout.offset).astype(x.dtype)
+            return cpu_int8.matmul(x, w, layer, k, n, layout.group, layout.offset).astype(out_dtype)
         if self.quant is not None:
             scale = getattr(self, f"{name}_scale")[...]
             offset = getattr(self, f"{name}_offset")[...] if self.quant.layout(name).offset else None
-            return int8_dot(x, w, scale, offset, self.quant.compute_dtype, dot).astype(x.dtype)
+            return int8_dot(x, w, scale, offset, self.quant.compute_dtype, dot).astype(out_dtype)
         if self.packed is None:
-            return linear(x, w, self.weight_dtype)
-        return cpu_matmul.matmul(x, w, layer, self.shapes[name][1], self.packed).astype(x.dtype)
+            return dot(x, weight(w, self.weight_dtype)).astype(out_dtype)
+        return cpu_matmul.matmul(x, w, layer, self.shapes[name][1], self.packed).astype(out_dtype)
+
+    def o_input(self) -> str | None:
+        """The dtype o_proj reads the attention output in, where its kernel casts it (oneDNN
+        weights: their dtype), else None: attention then returns it as bfloat16 itself
+        instead of a float32 copy cast by another pass."""
+        return self.packed if self.packed is not None and self.quant is None else None
 
     def projections(self, x: jax.Array, fused: str, layer: jax.Array) -> list[jax.Array]:
         """The outputs of the weights ``fused`` stands for (one kernel call when packed)."""
@@ -214,9 +217,9 @@ class DecoderLayer(nnx.Module):
                 q, k = rms_norm(q, self.q_norm[...], eps), rms_norm(k, self.k_norm[...], eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             o, kv_cache = backend.write_and_attend(
-                q, k, v, kv_cache, layer, md, sliding_window, sm_scale=cfg.head_dim**-0.5
+                q, k, v, kv_cache, layer, md, sliding_window, sm_scale=cfg.head_dim**-0.5, out_dtype=self.o_input()
             )
-            x = x + self.linear(o.reshape(t, -1), "o_proj", layer)
+            x = x + self.linear(o.reshape(t, -1), "o_proj", layer, x.dtype)
         with jax.named_scope("mlp"):
             h = rms_norm(x, self.post_attention_norm[...], eps)
             if self.packed is not None and self.quant is None:  # oneDNN: SiLU and product in the kernel

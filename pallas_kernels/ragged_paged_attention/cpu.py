@@ -85,7 +85,7 @@ def write_kv(kv_cache, layer, slot_mapping, k, v, *, interpret: bool = False):
     return ref_write_kv(kv_cache, layer, slot_mapping, k, v)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret", "out_dtype"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     kv_cache: jax.Array | QuantizedKV,  # [2*Hkv, L, num_pages, page_size, D], float32, uint16 (bfloat16 bits), 8-bit
@@ -98,8 +98,10 @@ def ragged_paged_attention(
     sm_scale: float,
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,  # unused: the kernel tiles by itself
     interpret: bool = False,  # unused: there is nothing to interpret
+    out_dtype=None,  # default q's; float32 and bfloat16 come from the kernel as they are
 ) -> jax.Array:  # [T, Hq, D]
     del block_sizes, interpret
+    out_dtype = jnp.dtype(out_dtype or q.dtype)
     check_attention_inputs(q, kv_cache, kv_lens, page_table, query_start_loc)
     if kv_cache.shape[4] != q.shape[2]:
         raise ValueError(f"q head_dim {q.shape[2]} must equal the cache's head_dim {kv_cache.shape[4]}")
@@ -116,7 +118,8 @@ def ragged_paged_attention(
     if not ok:
         raise RuntimeError(error)
     i32 = jnp.int32
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+    native = out_dtype if out_dtype in (jnp.float32, jnp.bfloat16) else jnp.dtype(jnp.float32)
+    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, native))(
         q.astype(jnp.float32),
         values,
         scales,
@@ -127,4 +130,4 @@ def ragged_paged_attention(
         jnp.asarray(sliding_window, i32).reshape(()),
         sm_scale=np.float32(sm_scale),
     )
-    return out.astype(q.dtype)
+    return out.astype(out_dtype)
