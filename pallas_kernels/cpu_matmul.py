@@ -35,7 +35,9 @@ __all__ = [
     "available",
     "build_error",
     "impl",
+    "join_slices",
     "matmul",
+    "matmul_slices",
     "pack",
     "pack_swiglu",
     "packed_bytes",
@@ -201,13 +203,25 @@ def swiglu_part(m: int, k: int, i: int, dtype) -> int:
 def matmul(x: jax.Array, packed: jax.Array, layer: jax.Array | int, n: int, dtype) -> jax.Array:
     """``x [M, K] @ w[layer] [K, N]`` accumulated in float32 (``[M, N]``), where ``packed``
     is ``[L, bytes]``: each layer's ``pack`` of a ``dtype`` weight."""
+    out = join_slices(matmul_slices(x.reshape(-1, x.shape[-1]), packed, layer, n, dtype))
+    return out.reshape(*x.shape[:-1], n)
+
+
+def matmul_slices(x: jax.Array, packed: jax.Array, layer: jax.Array | int, n: int, dtype) -> jax.Array:
+    """``matmul`` of ``x [M, K]`` as the kernel stores it: ``[slices, M, N / slices]``, each
+    column slice's product dense (``join_slices`` makes it ``[M, N]``)."""
     _checked()
     dtype = ml_dtypes.bfloat16 if jnp.dtype(dtype).name == "bfloat16" else jnp.float32
-    s, m = slices(n, dtype), math.prod(x.shape[:-1])
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((s, m, n // s), jnp.float32))(
-        x.reshape(m, x.shape[-1]).astype(dtype), packed, jnp.asarray(layer, jnp.int32).reshape(())
+    s, m = slices(n, dtype), x.shape[0]
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((s, m, n // s), jnp.float32))(
+        x.astype(dtype), packed, jnp.asarray(layer, jnp.int32).reshape(())
     )
-    return out.transpose(1, 0, 2).reshape(*x.shape[:-1], n)  # each slice's columns, side by side
+
+
+def join_slices(out: jax.Array) -> jax.Array:
+    """``[slices, M, N / slices]`` -> ``[M, N]``: each slice's columns, side by side."""
+    s, m, w = out.shape
+    return out.transpose(1, 0, 2).reshape(m, s * w)
 
 
 def swiglu(x: jax.Array, packed: jax.Array, layer: jax.Array | int, i: int, dtype) -> jax.Array:

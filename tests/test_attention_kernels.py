@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.attention import AttentionBackend, AttentionMetadata
 from pallas_kernels import cpu_build
 from pallas_kernels.ragged_paged_attention import (
     BlockSizes,
@@ -31,7 +32,7 @@ from pallas_kernels.ragged_paged_attention import (
     reference,
     tpu,
 )
-from pallas_kernels.ragged_paged_attention.common import QuantizedKV, quantize_rows
+from pallas_kernels.ragged_paged_attention.common import QuantizedKV, RotaryQuery, quantize_rows
 
 CASES = {
     "decode_only": [(1, 1), (1, 17), (1, 40), (1, 5)],
@@ -342,6 +343,43 @@ def test_cpu_kernel_bfloat16_cache_is_read_at_float32_accuracy(
     )
     np.testing.assert_allclose(out_bits, out_f32, atol=2e-5, rtol=2e-5)
     assert np.all(out_bits[c.num_real_tokens :] == 0)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_cpu_kernel_rotates_a_rotary_query_as_xla_does(cache_dtype):
+    """A RotaryQuery (q unrotated inside a linear layer's product by column slices) gives
+    bitwise what its materialized q (XLA's RoPE) gives, heads split across slices included,
+    and the reference backend, which cannot read one, gets it materialized."""
+    c = make_case(_kernel_case_seqs("mixed"), 9, 3, 64, page_size=16)
+    if cache_dtype == "bfloat16":
+        bits = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(c.kv_cache, jnp.bfloat16), jnp.uint16))
+        c = dataclasses.replace(c, kv_cache=bits)
+    t = c.q.shape[0]
+    rng = np.random.RandomState(5)
+    # [q | k | v] = 15 heads of 64 as 2 slices of 480 columns: head 7 has 32 columns in each.
+    product = jnp.asarray(rng.randn(2, t, 480).astype(np.float32))
+    angles = rng.uniform(0, 100, (t, 32))
+    cos = jnp.asarray(np.cos(np.concatenate([angles, angles], -1)), jnp.float32)
+    sin = jnp.asarray(np.sin(np.concatenate([angles, angles], -1)), jnp.float32)
+    rotary = RotaryQuery(product, cos, sin, 9)
+    q = jax.jit(RotaryQuery.materialize)(rotary)
+    assert q.shape == rotary.shape == (t, 9, 64)
+    _, expected = _run(cpu.write_kv, cpu.ragged_paged_attention, dataclasses.replace(c, q=q), 0, BlockSizes())
+    _, out = _run(cpu.write_kv, cpu.ragged_paged_attention, dataclasses.replace(c, q=rotary), 0, BlockSizes())
+    np.testing.assert_array_equal(out, expected)
+    backend = AttentionBackend.resolve("reference", page_size=16)
+    md = AttentionMetadata(
+        *(jnp.zeros(t, jnp.int32),) * 3,
+        c.query_start_loc,
+        c.kv_lens,
+        c.page_table,
+        jnp.zeros(len(c.kv_lens), jnp.int32),
+    )
+    args = (jnp.asarray(c.k_new), jnp.asarray(c.v_new), jnp.asarray(c.kv_cache), jnp.int32(1), md, jnp.int32(0))
+    ref_rotary, _ = backend.write_and_attend(rotary, *args, sm_scale=0.125)
+    ref_q, _ = backend.write_and_attend(q, *args, sm_scale=0.125)
+    np.testing.assert_array_equal(ref_rotary, ref_q)
 
 
 @needs_cpu_kernel

@@ -29,7 +29,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.parallel import MODEL
 from pallas_kernels.ragged_paged_attention import BlockSizes, cpu, gpu, reference, tpu
-from pallas_kernels.ragged_paged_attention.common import QuantizedKV, is_quantized, kv_cache_bytes, new_kv_cache
+from pallas_kernels.ragged_paged_attention.common import (
+    QuantizedKV,
+    RotaryQuery,
+    is_quantized,
+    kv_cache_bytes,
+    new_kv_cache,
+)
 
 BACKENDS = ("auto", "reference", "pallas_tpu", "pallas_gpu", "cpu")
 _KERNELS = {"pallas_tpu": tpu, "pallas_gpu": gpu, "cpu": cpu}
@@ -164,15 +170,24 @@ class AttentionBackend:
             return reference.ref_write_kv(kv_cache, layer, slot_mapping, k, v)
         return _KERNELS[self.name].write_kv(kv_cache, layer, slot_mapping, k, v, interpret=self.interpret)
 
+    @property
+    def rotates_queries(self) -> bool:
+        """Whether attention takes a RotaryQuery as it is (the CPU kernel on one device);
+        elsewhere it is materialized first."""
+        return self.name == "cpu" and self.mesh is None
+
     def write_and_attend(
         self, q, k, v, kv_cache, layer, md: AttentionMetadata, sliding_window, *, sm_scale: float, out_dtype=None
     ):
         """Writes this step's K/V, then attends. Returns (output [T, Hq, D] in ``out_dtype``,
-        default q's, and kv_cache).
+        default q's, and kv_cache). ``q``: ``[T, Hq, D]``, or a ``RotaryQuery``.
 
         With a mesh, each device runs both on its own KV heads and query heads; the
         metadata is replicated. No communication happens inside attention.
         """
+
+        if isinstance(q, RotaryQuery) and not self.rotates_queries:
+            q = q.materialize()
 
         def local(q, k, v, kv_cache, layer, md, sliding_window):
             kv_cache = self.write_kv(kv_cache, layer, md.slot_mapping, k, v)

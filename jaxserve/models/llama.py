@@ -22,6 +22,8 @@ from jaxserve.models.config import ModelConfig, rope_inv_freq
 from jaxserve.models.quant import Int8Weights, int8_dot
 from jaxserve.parallel import MODEL
 from pallas_kernels import cpu_int8, cpu_matmul
+from pallas_kernels.ragged_paged_attention.common import RotaryQuery
+from pallas_kernels.ragged_paged_attention.common import rotate_half_rope as apply_rope
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float = 0.02) -> nnx.Param:
@@ -55,13 +57,6 @@ def dot(x: jax.Array, w: jax.Array) -> jax.Array:
     if x.shape[0] != 1:
         return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
     return jnp.dot(jnp.pad(x, ((0, 1), (0, 0))).astype(w.dtype), w, preferred_element_type=jnp.float32)[:1]
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half ("NeoX") rotary embedding; x [T, H, D], cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 def matmul_shapes(cfg: ModelConfig, packed: bool = False) -> dict[str, tuple[int, int]]:
@@ -185,11 +180,22 @@ class DecoderLayer(nnx.Module):
 
     def projections(self, x: jax.Array, fused: str, layer: jax.Array) -> list[jax.Array]:
         """The outputs of the weights ``fused`` stands for (one kernel call when packed)."""
-        names = FUSED[fused]
         if self.packed is None:
-            return [self.linear(x, name, layer) for name in names]
-        widths = [matmul_shapes(self.cfg)[name][1] for name in names]
-        return jnp.split(self.linear(x, fused, layer), np.cumsum(widths)[:-1].tolist(), axis=-1)
+            return [self.linear(x, name, layer) for name in FUSED[fused]]
+        return self.split(self.linear(x, fused, layer), fused)
+
+    def split(self, y: jax.Array, fused: str) -> list[jax.Array]:
+        """``y``, the output of fused weight ``fused``, as the outputs of its weights."""
+        widths = [matmul_shapes(self.cfg)[name][1] for name in FUSED[fused]]
+        return jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1)
+
+    def rope_in_attention(self, x: jax.Array, backend: AttentionBackend) -> bool:
+        """Whether q goes to attention unrotated, in the qkv call's product (RotaryQuery):
+        oneDNN weights, float32 activations, nothing between projection and RoPE (no bias,
+        no q/k norm), and the CPU attention kernel on one device, which reads it there."""
+        cfg = self.cfg
+        plain = not cfg.attention_bias and not cfg.qk_norm
+        return self.o_input() is not None and x.dtype == jnp.float32 and plain and backend.rotates_queries
 
     def __call__(
         self,
@@ -207,15 +213,23 @@ class DecoderLayer(nnx.Module):
         eps = cfg.rms_norm_eps
         with jax.named_scope("attention"):
             h = rms_norm(x, self.input_norm[...], eps)
-            q, k, v = self.projections(h, "qkv_proj", layer)
-            if cfg.attention_bias:
-                q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-            q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-            k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            if self.rope_in_attention(x, backend):
+                # q stays in the product: the attention kernel reads and rotates it there.
+                product = cpu_matmul.matmul_slices(
+                    h, self.qkv_proj[...], layer, self.shapes["qkv_proj"][1], self.packed
+                )
+                q = RotaryQuery(product, cos, sin, cfg.num_heads)
+                _, k, v = self.split(cpu_matmul.join_slices(product), "qkv_proj")
+            else:
+                q, k, v = self.projections(h, "qkv_proj", layer)
+                if cfg.attention_bias:
+                    q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+                if cfg.qk_norm:
+                    q = rms_norm(q.reshape(t, cfg.num_heads, -1), self.q_norm[...], eps)
+                    k = rms_norm(k.reshape(t, cfg.num_kv_heads, -1), self.k_norm[...], eps)
+                q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q, k = rms_norm(q, self.q_norm[...], eps), rms_norm(k, self.k_norm[...], eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             o, kv_cache = backend.write_and_attend(
                 q, k, v, kv_cache, layer, md, sliding_window, sm_scale=cfg.head_dim**-0.5, out_dtype=self.o_input()
             )

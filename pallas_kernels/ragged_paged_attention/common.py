@@ -83,6 +83,49 @@ def kv_cache_shape(
 QUANTIZED_KV_DTYPES = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 
+def rotate_half_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half ("NeoX") rotary embedding of x ``[T, H, D]`` by cos, sin ``[T, D]``:
+    ``x * cos + rotate_half(x) * sin``."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RotaryQuery:
+    """The queries as their projection produced them, not yet rotated: ``product``
+    ``[slices, T, N / slices]`` is a linear layer's float32 output by column slices (as
+    ``cpu_matmul.matmul_slices`` returns it) whose first ``num_heads * D`` columns are q,
+    and ``cos``, ``sin`` ``[T, D]`` its RoPE (``rotate_half_rope``). The CPU kernel reads
+    each query row from the product and rotates it as it loads it, so no pass over the
+    product gathers and rotates q first; the other kernels get ``materialize()``."""
+
+    product: jax.Array
+    cos: jax.Array
+    sin: jax.Array
+    num_heads: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.product.shape[1], self.num_heads, self.cos.shape[-1])
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    @property
+    def dtype(self):
+        return self.product.dtype
+
+    def materialize(self) -> jax.Array:
+        """q ``[T, Hq, D]``, rotated."""
+        t, h, d = self.shape
+        s, _, w = self.product.shape
+        q = self.product.transpose(1, 0, 2).reshape(t, s * w)[:, : h * d].reshape(t, h, d)
+        return rotate_half_rope(q, self.cos.astype(q.dtype), self.sin.astype(q.dtype))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedKV:

@@ -27,6 +27,7 @@ from pallas_kernels.ragged_paged_attention.common import (
     QUANTIZED_KV_DTYPES,
     BlockSizes,
     QuantizedKV,
+    RotaryQuery,
     check_attention_inputs,
 )
 from pallas_kernels.ragged_paged_attention.reference import get_kv_cache_shape, ref_write_kv, storage_dtype
@@ -87,7 +88,7 @@ def write_kv(kv_cache, layer, slot_mapping, k, v, *, interpret: bool = False):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret", "out_dtype"))
 def ragged_paged_attention(
-    q: jax.Array,  # [T, Hq, D]
+    q: jax.Array | RotaryQuery,  # [T, Hq, D], or a product to read (and rotate) q from
     kv_cache: jax.Array | QuantizedKV,  # [2*Hkv, L, num_pages, page_size, D], float32, uint16 (bfloat16 bits), 8-bit
     layer: jax.Array,  # [] int32
     kv_lens: jax.Array,  # [S] int32
@@ -119,8 +120,15 @@ def ragged_paged_attention(
         raise RuntimeError(error)
     i32 = jnp.int32
     native = out_dtype if out_dtype in (jnp.float32, jnp.bfloat16) else jnp.dtype(jnp.float32)
+    if isinstance(q, RotaryQuery):
+        rows, cos, sin = q.product, q.cos, q.sin
+    else:  # one slice of [T, Hq * D], rotated already
+        rows, cos = q.reshape(1, q.shape[0], -1), jnp.zeros((0, q.shape[2]), jnp.float32)
+        sin = cos
     out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, native))(
-        q.astype(jnp.float32),
+        rows.astype(jnp.float32),
+        cos.astype(jnp.float32),
+        sin.astype(jnp.float32),
         values,
         scales,
         jnp.asarray(layer, i32).reshape(()),

@@ -196,7 +196,13 @@ JAXSERVE_FMA inline Lanes ExpNonPositive<Lanes, Ints>(Lanes v) {
 #endif
 
 struct Problem {
-  const float* q;          // [T, Hq, D]
+  // The queries: column h * D + d of token t holds head h's value d, in a [q_slices, T,
+  // q_width] array (a linear layer's product by column slices, cpu_matmul.cc; a plain
+  // [T, Hq, D] is one slice). With cos and sin ([T, D]) each row is rotated (rotate-half
+  // RoPE) as it is read.
+  const float* q;
+  int64_t q_slices, q_width;
+  const float *cos, *sin;  // null: the rows are rotated already
   const void* kv;          // [2*Hkv, L, P, PS, D]
   const float* scales;     // [2*Hkv, L, P, PS] for an 8-bit cache, else null
   int64_t num_tokens, num_heads, num_kv_heads, head_dim, num_pages, page_size, num_layers;
@@ -214,6 +220,33 @@ struct Tile {
   int32_t seq, kv_head, first_token, num_tokens;  // tokens relative to the sequence's first
 };
 
+// Token `token`'s query for head `head`: its D values where they lie whole in one slice
+// and need no rotation, else in buf (2 * D floats). The rotation is rotate_half_rope's
+// (common.py), v * cos + rotate_half(v) * sin, rounded as XLA:CPU's fusion of it rounds:
+// fma(v, cos, rotate_half(v) * sin). A query comes out bitwise as XLA rotated it before,
+// without that fusion's pass over the product (~6 ms of a 500-token SmolLM2 prefill,
+// 2-core AMX Xeon).
+inline const float* QueryRow(const Problem& pb, int64_t token, int64_t head, float* buf) {
+  const int64_t D = pb.head_dim, col = head * D, w = pb.q_width;
+  const int64_t first = col / w, last = (col + D - 1) / w;
+  const float* v = pb.q + (first * pb.num_tokens + token) * w + col - first * w;
+  if (first != last) {  // across slices: gathered
+    float* gathered = buf + D;
+    for (int64_t i = first, c = col; i <= last; ++i) {
+      const int64_t end = std::min(col + D, (i + 1) * w);
+      std::memcpy(gathered + c - col, pb.q + (i * pb.num_tokens + token) * w + c - i * w, (end - c) * sizeof(float));
+      c = end;
+    }
+    v = gathered;
+  }
+  if (pb.cos == nullptr) return v;
+  const float *cs = pb.cos + token * D, *sn = pb.sin + token * D;
+  const int64_t half = D / 2;
+  for (int64_t j = 0; j < half; ++j) buf[j] = std::fma(v[j], cs[j], -v[j + half] * sn[j]);
+  for (int64_t j = half; j < D; ++j) buf[j] = std::fma(v[j], cs[j], v[j - half] * sn[j]);
+  return buf;
+}
+
 // A tile's rows: row r is token first_token + r / G with query head kv_head * G + r % G.
 // Sets each row's position and lowest visible position (the sliding window) and hands
 // its query to query(r, q).
@@ -225,11 +258,13 @@ void TileRows(const Problem& pb, const Tile& t, std::vector<int32_t>& pos, std::
   const int rows = t.num_tokens * static_cast<int>(G);
   pos.resize(rows);
   lo.resize(rows);
+  thread_local std::vector<float> buf;
+  buf.resize(2 * pb.head_dim);
   for (int r = 0; r < rows; ++r) {
     const int32_t i = t.first_token + r / G;
     pos[r] = first_pos + i;
     lo[r] = pb.window > 0 ? std::max(0, pos[r] - pb.window + 1) : 0;
-    query(r, pb.q + ((q_start + i) * pb.num_heads + t.kv_head * G + r % G) * pb.head_dim);
+    query(r, QueryRow(pb, q_start + i, t.kv_head * G + r % G, buf.data()));
   }
 }
 
@@ -1002,15 +1037,26 @@ void Drain(Work& work) {
   }
 }
 
-ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_cache,
-                  ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> layer,
-                  ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cos,
+                  ffi::Buffer<ffi::F32> sin, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::F32> scales,
+                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
                   ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> window, float sm_scale,
                   ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions();
   auto kd = kv_cache.dimensions();
-  if (qd.size() != 3 || kd.size() != 5 || page_table.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument("q must be [T, Hq, D], kv_cache 5-D and page_table 2-D");
+  auto od = out->dimensions();
+  if (qd.size() != 3 || od.size() != 3 || kd.size() != 5 || page_table.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument(
+        "q must be [slices, T, N / slices], out [T, Hq, D], kv_cache 5-D and page_table 2-D");
+  }
+  if (qd[1] != od[0] || qd[0] * qd[2] < od[1] * od[2]) {
+    return ffi::Error::InvalidArgument("q's slices must hold [T, Hq * D] of out's T, Hq and D");
+  }
+  const bool rotate = cos.element_count() > 0;
+  auto cd = cos.dimensions(), sd = sin.dimensions();
+  if (rotate && (cd.size() != 2 || cd[0] != od[0] || cd[1] != od[2] || od[2] % 2 ||
+                 !std::equal(cd.begin(), cd.end(), sd.begin(), sd.end()))) {
+    return ffi::Error::InvalidArgument("cos and sin must be [T, D] (an even D), or empty: q rotated already");
   }
   const ffi::DataType kind = kv_cache.element_type();
   if (kind != ffi::DataType::F32 && kind != ffi::DataType::U16 && kind != ffi::DataType::S8 &&
@@ -1018,19 +1064,23 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
     return ffi::Error::InvalidArgument("kv_cache must be float32, uint16 (bfloat16 bits), int8 or float8_e4m3fn");
   }
   const bool scaled = kind == ffi::DataType::S8 || kind == ffi::DataType::F8E4M3FN;
-  auto sd = scales.dimensions();
-  if (scaled && (sd.size() != 4 || !std::equal(sd.begin(), sd.end(), kd.begin()))) {
+  auto scd = scales.dimensions();
+  if (scaled && (scd.size() != 4 || !std::equal(scd.begin(), scd.end(), kd.begin()))) {
     return ffi::Error::InvalidArgument("an 8-bit kv_cache needs scales [2*Hkv, L, num_pages, page_size]");
   }
   auto work = std::make_unique<Work>();
   work->kind = kind;
   Problem& pb = work->pb;
   pb.q = q.typed_data();
+  pb.q_slices = qd[0];
+  pb.q_width = qd[2];
+  pb.cos = rotate ? cos.typed_data() : nullptr;
+  pb.sin = rotate ? sin.typed_data() : nullptr;
   pb.kv = kv_cache.untyped_data();
   pb.scales = scaled ? scales.typed_data() : nullptr;
-  pb.num_tokens = qd[0];
-  pb.num_heads = qd[1];
-  pb.head_dim = qd[2];
+  pb.num_tokens = od[0];
+  pb.num_heads = od[1];
+  pb.head_dim = od[2];
   pb.num_kv_heads = kd[0] / 2;
   pb.num_layers = kd[1];
   pb.num_pages = kd[2];
@@ -1142,7 +1192,9 @@ extern "C" int JaxserveThreads() { return jaxserve::Threads(); }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attend,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [slices, T, N / slices]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos [T, D], or empty
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin [T, D], or empty
                                   .Arg<ffi::AnyBuffer>()          // kv_cache
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scales (8-bit caches; else any)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
