@@ -144,6 +144,7 @@ def kernels() -> Kernels:
         except BuildError as e2:
             return Kernels(None, str(e2), matmul_error)
     register(lib, "JaxserveRaggedPagedAttention", "jaxserve_ragged_paged_attention")
+    register(lib, "JaxserveWriteAndAttend", "jaxserve_write_and_attend")
     register(lib, "JaxserveInt8Matmul", "jaxserve_int8_matmul")
     if not matmul_error:
         register(lib, "JaxserveMatmul", "jaxserve_matmul")

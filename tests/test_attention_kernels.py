@@ -32,7 +32,7 @@ from pallas_kernels.ragged_paged_attention import (
     reference,
     tpu,
 )
-from pallas_kernels.ragged_paged_attention.common import QuantizedKV, RotaryQuery, quantize_rows
+from pallas_kernels.ragged_paged_attention.common import QkvProduct, QuantizedKV, quantize_rows
 
 CASES = {
     "decode_only": [(1, 1), (1, 17), (1, 40), (1, 5)],
@@ -345,41 +345,101 @@ def test_cpu_kernel_bfloat16_cache_is_read_at_float32_accuracy(
     assert np.all(out_bits[c.num_real_tokens :] == 0)
 
 
-@needs_cpu_kernel
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
-def test_cpu_kernel_rotates_a_rotary_query_as_xla_does(cache_dtype):
-    """A RotaryQuery (q unrotated inside a linear layer's product by column slices) gives
-    bitwise what its materialized q (XLA's RoPE) gives, heads split across slices included,
-    and the reference backend, which cannot read one, gets it materialized."""
-    c = make_case(_kernel_case_seqs("mixed"), 9, 3, 64, page_size=16)
-    if cache_dtype == "bfloat16":
-        bits = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(c.kv_cache, jnp.bfloat16), jnp.uint16))
-        c = dataclasses.replace(c, kv_cache=bits)
-    t = c.q.shape[0]
-    rng = np.random.RandomState(5)
-    # [q | k | v] = 15 heads of 64 as 2 slices of 480 columns: head 7 has 32 columns in each.
+def _qkv_product(t: int, seed: int = 5) -> QkvProduct:
+    """[q | k | v] = 15 heads of 64 (9 + 3 + 3) as 2 slices of 480 columns: q's head 7 has
+    32 columns in each."""
+    rng = np.random.RandomState(seed)
     product = jnp.asarray(rng.randn(2, t, 480).astype(np.float32))
     angles = rng.uniform(0, 100, (t, 32))
     cos = jnp.asarray(np.cos(np.concatenate([angles, angles], -1)), jnp.float32)
     sin = jnp.asarray(np.sin(np.concatenate([angles, angles], -1)), jnp.float32)
-    rotary = RotaryQuery(product, cos, sin, 9)
-    q = jax.jit(RotaryQuery.materialize)(rotary)
-    assert q.shape == rotary.shape == (t, 9, 64)
-    _, expected = _run(cpu.write_kv, cpu.ragged_paged_attention, dataclasses.replace(c, q=q), 0, BlockSizes())
-    _, out = _run(cpu.write_kv, cpu.ragged_paged_attention, dataclasses.replace(c, q=rotary), 0, BlockSizes())
-    np.testing.assert_array_equal(out, expected)
+    return QkvProduct(product, cos, sin, 9, 3)
+
+
+def _fma_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's rotation of x ``[T, H, D]`` in numpy, fma(x, cos, rotate_half(x) *
+    sin): x * cos exact in float64, the sum rounded twice (to float64, to float32); and
+    where that sum was exact in float64 (TwoSum), so that the result is the fma's."""
+    half = x.shape[-1] // 2
+    rs = (np.concatenate([-x[..., half:], x[..., :half]], -1) * sin[:, None]).astype(np.float32).astype(np.float64)
+    xc = x.astype(np.float64) * cos[:, None].astype(np.float64)
+    total = xc + rs
+    rest = total - xc
+    exact = ((xc - (total - rest)) + (rs - rest)) == 0
+    return total.astype(np.float32), exact
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
+def test_cpu_kernel_reads_a_qkv_product(cache_dtype):
+    """A QkvProduct (q, k, v unrotated inside a linear layer's product by column slices)
+    gives what its materialized q, k and v (XLA's RoPE, the reference's scatter) give:
+    write_and_attend's cache and output, ragged_paged_attention's output, heads split
+    across slices included (to XLA's rounding: its fusions contract x * cos into the sum
+    or not, case by case); keys are rotated as fma(x, cos, rotate_half(x) * sin), bit for
+    bit. The reference backend, which cannot read a product, gets it materialized."""
+    c = make_case(_kernel_case_seqs("mixed"), 9, 3, 64, page_size=16)
+    cache = jnp.asarray(c.kv_cache)
+    if cache_dtype == "bfloat16":
+        cache = jax.lax.bitcast_convert_type(cache.astype(jnp.bfloat16), jnp.uint16)
+    elif cache_dtype == "int8":
+        cache = QuantizedKV(*quantize_rows(jnp.nan_to_num(cache), "int8"))
+    t = c.q.shape[0]
+    qkv = _qkv_product(t)
+    q = jax.jit(QkvProduct.query)(qkv)
+    k, v = jax.jit(QkvProduct.keys_values)(qkv)
+    assert q.shape == qkv.shape == (t, 9, 64) and k.shape == v.shape == (t, 3, 64)
+    md = (c.kv_lens, c.page_table, c.query_start_loc, np.int32(0))
+    expected_cache = jax.jit(cpu.write_kv)(cache, np.int32(1), c.slot_mapping, k, v)
+    expected = cpu.ragged_paged_attention(q, expected_cache, np.int32(1), *md, sm_scale=0.125)
+    out, written = cpu.write_and_attend(qkv, cache, np.int32(1), c.slot_mapping, *md, sm_scale=0.125)
+    close = dict(rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, expected, **close)
+    np.testing.assert_allclose(cpu.ragged_paged_attention(qkv, written, np.int32(1), *md, sm_scale=0.125), out)
+    for got, want in zip(jax.tree.leaves(written), jax.tree.leaves(expected_cache), strict=True):
+        got, want = np.asarray(got)[:, :, 1:], np.asarray(want)[:, :, 1:]  # page 0: scratch
+        if cache_dtype == "bfloat16":  # a rounding apart at most
+            assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 1
+        else:
+            np.testing.assert_allclose(got, want, **close)
+    if cache_dtype != "float32":
+        return
+    # The keys the kernel stored, bit for bit.
+    real = c.num_written
+    slots = c.slot_mapping[:real]
+    stored = np.asarray(written)[:3, 1, slots // 16, slots % 16]  # [Hkv, tokens, D]
+    p = np.asarray(qkv.product).transpose(1, 0, 2).reshape(t, 960)[:real, 576:768].reshape(real, 3, 64)
+    want, exact = _fma_rope(p, np.asarray(qkv.cos)[:real], np.asarray(qkv.sin)[:real])
+    assert exact.mean() > 0.9
+    np.testing.assert_array_equal(stored.transpose(1, 0, 2)[exact], want[exact])
     backend = AttentionBackend.resolve("reference", page_size=16)
-    md = AttentionMetadata(
-        *(jnp.zeros(t, jnp.int32),) * 3,
+    meta = AttentionMetadata(
+        *(jnp.asarray(c.slot_mapping),) * 3,
         c.query_start_loc,
         c.kv_lens,
         c.page_table,
         jnp.zeros(len(c.kv_lens), jnp.int32),
     )
-    args = (jnp.asarray(c.k_new), jnp.asarray(c.v_new), jnp.asarray(c.kv_cache), jnp.int32(1), md, jnp.int32(0))
-    ref_rotary, _ = backend.write_and_attend(rotary, *args, sm_scale=0.125)
-    ref_q, _ = backend.write_and_attend(q, *args, sm_scale=0.125)
-    np.testing.assert_array_equal(ref_rotary, ref_q)
+    ref_product, ref_cache = backend.write_and_attend_product(
+        qkv, cache, jnp.int32(1), meta, jnp.int32(0), sm_scale=0.125
+    )
+    ref_plain, ref_plain_cache = backend.write_and_attend(
+        q, k, v, cache, jnp.int32(1), meta, jnp.int32(0), sm_scale=0.125
+    )
+    np.testing.assert_allclose(ref_product, ref_plain, **close)
+    np.testing.assert_allclose(ref_cache, ref_plain_cache, **close)
+
+
+@needs_cpu_kernel
+def test_cpu_write_and_attend_rejects_a_slot_outside_the_cache():
+    c = make_case([(3, 5)], 9, 3, 64, page_size=16)
+    slots = c.slot_mapping.copy()
+    slots[1] = c.kv_cache.shape[2] * 16  # one past the last slot
+    with pytest.raises(Exception, match=r"slot_mapping\[1\] = .* is not a slot of the cache"):
+        cpu.write_and_attend(
+            _qkv_product(c.q.shape[0]), jnp.asarray(c.kv_cache), np.int32(1), slots,
+            c.kv_lens, c.page_table, c.query_start_loc, np.int32(0), sm_scale=0.125,
+        )  # fmt: skip
 
 
 @needs_cpu_kernel

@@ -30,8 +30,8 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.parallel import MODEL
 from pallas_kernels.ragged_paged_attention import BlockSizes, cpu, gpu, reference, tpu
 from pallas_kernels.ragged_paged_attention.common import (
+    QkvProduct,
     QuantizedKV,
-    RotaryQuery,
     is_quantized,
     kv_cache_bytes,
     new_kv_cache,
@@ -171,23 +171,40 @@ class AttentionBackend:
         return _KERNELS[self.name].write_kv(kv_cache, layer, slot_mapping, k, v, interpret=self.interpret)
 
     @property
-    def rotates_queries(self) -> bool:
-        """Whether attention takes a RotaryQuery as it is (the CPU kernel on one device);
-        elsewhere it is materialized first."""
+    def reads_products(self) -> bool:
+        """Whether ``write_and_attend_product`` takes a QkvProduct as it is (the CPU kernel
+        on one device); elsewhere q, k and v are materialized first."""
         return self.name == "cpu" and self.mesh is None
+
+    def write_and_attend_product(
+        self,
+        qkv: QkvProduct,
+        kv_cache,
+        layer,
+        md: AttentionMetadata,
+        sliding_window,
+        *,
+        sm_scale: float,
+        out_dtype=None,
+    ):
+        """``write_and_attend`` of a layer's unrotated qkv product (``QkvProduct``)."""
+        if self.reads_products:
+            args = (qkv, kv_cache, layer, md.slot_mapping, md.kv_lens, md.page_table, md.query_start_loc)
+            return cpu.write_and_attend(*args, sliding_window, sm_scale=sm_scale, out_dtype=out_dtype)
+        k, v = qkv.keys_values()
+        return self.write_and_attend(
+            qkv.query(), k, v, kv_cache, layer, md, sliding_window, sm_scale=sm_scale, out_dtype=out_dtype
+        )
 
     def write_and_attend(
         self, q, k, v, kv_cache, layer, md: AttentionMetadata, sliding_window, *, sm_scale: float, out_dtype=None
     ):
         """Writes this step's K/V, then attends. Returns (output [T, Hq, D] in ``out_dtype``,
-        default q's, and kv_cache). ``q``: ``[T, Hq, D]``, or a ``RotaryQuery``.
+        default q's, and kv_cache).
 
         With a mesh, each device runs both on its own KV heads and query heads; the
         metadata is replicated. No communication happens inside attention.
         """
-
-        if isinstance(q, RotaryQuery) and not self.rotates_queries:
-            q = q.materialize()
 
         def local(q, k, v, kv_cache, layer, md, sliding_window):
             kv_cache = self.write_kv(kv_cache, layer, md.slot_mapping, k, v)

@@ -22,7 +22,7 @@ from jaxserve.models.config import ModelConfig, rope_inv_freq
 from jaxserve.models.quant import Int8Weights, int8_dot
 from jaxserve.parallel import MODEL
 from pallas_kernels import cpu_int8, cpu_matmul
-from pallas_kernels.ragged_paged_attention.common import RotaryQuery
+from pallas_kernels.ragged_paged_attention.common import QkvProduct
 from pallas_kernels.ragged_paged_attention.common import rotate_half_rope as apply_rope
 
 
@@ -190,12 +190,13 @@ class DecoderLayer(nnx.Module):
         return jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1)
 
     def rope_in_attention(self, x: jax.Array, backend: AttentionBackend) -> bool:
-        """Whether q goes to attention unrotated, in the qkv call's product (RotaryQuery):
-        oneDNN weights, float32 activations, nothing between projection and RoPE (no bias,
-        no q/k norm), and the CPU attention kernel on one device, which reads it there."""
+        """Whether q, k and v go to attention unrotated, in the qkv call's product
+        (QkvProduct): oneDNN weights, float32 activations, nothing between projection and
+        RoPE (no bias, no q/k norm), and the CPU attention kernel on one device, which
+        reads them there."""
         cfg = self.cfg
         plain = not cfg.attention_bias and not cfg.qk_norm
-        return self.o_input() is not None and x.dtype == jnp.float32 and plain and backend.rotates_queries
+        return self.o_input() is not None and x.dtype == jnp.float32 and plain and backend.reads_products
 
     def __call__(
         self,
@@ -214,25 +215,31 @@ class DecoderLayer(nnx.Module):
         with jax.named_scope("attention"):
             h = rms_norm(x, self.input_norm[...], eps)
             if self.rope_in_attention(x, backend):
-                # q stays in the product: the attention kernel reads and rotates it there.
-                product = cpu_matmul.matmul_slices(
-                    h, self.qkv_proj[...], layer, self.shapes["qkv_proj"][1], self.packed
+                # q, k and v stay in the product: the attention kernel reads (and rotates) them there.
+                n = self.shapes["qkv_proj"][1]
+                product = cpu_matmul.matmul_slices(h, self.qkv_proj[...], layer, n, self.packed)
+                o, kv_cache = backend.write_and_attend_product(
+                    QkvProduct(product, cos, sin, cfg.num_heads, cfg.num_kv_heads),
+                    kv_cache,
+                    layer,
+                    md,
+                    sliding_window,
+                    sm_scale=cfg.head_dim**-0.5,
+                    out_dtype=self.o_input(),
                 )
-                q = RotaryQuery(product, cos, sin, cfg.num_heads)
-                _, k, v = self.split(cpu_matmul.join_slices(product), "qkv_proj")
             else:
                 q, k, v = self.projections(h, "qkv_proj", layer)
                 if cfg.attention_bias:
                     q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+                q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+                k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+                v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
                 if cfg.qk_norm:
-                    q = rms_norm(q.reshape(t, cfg.num_heads, -1), self.q_norm[...], eps)
-                    k = rms_norm(k.reshape(t, cfg.num_kv_heads, -1), self.k_norm[...], eps)
-                q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            o, kv_cache = backend.write_and_attend(
-                q, k, v, kv_cache, layer, md, sliding_window, sm_scale=cfg.head_dim**-0.5, out_dtype=self.o_input()
-            )
+                    q, k = rms_norm(q, self.q_norm[...], eps), rms_norm(k, self.k_norm[...], eps)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                o, kv_cache = backend.write_and_attend(
+                    q, k, v, kv_cache, layer, md, sliding_window, sm_scale=cfg.head_dim**-0.5, out_dtype=self.o_input()
+                )
             x = x + self.linear(o.reshape(t, -1), "o_proj", layer, x.dtype)
         with jax.named_scope("mlp"):
             h = rms_norm(x, self.post_attention_norm[...], eps)

@@ -93,18 +93,21 @@ def rotate_half_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class RotaryQuery:
-    """The queries as their projection produced them, not yet rotated: ``product``
-    ``[slices, T, N / slices]`` is a linear layer's float32 output by column slices (as
-    ``cpu_matmul.matmul_slices`` returns it) whose first ``num_heads * D`` columns are q,
-    and ``cos``, ``sin`` ``[T, D]`` its RoPE (``rotate_half_rope``). The CPU kernel reads
-    each query row from the product and rotates it as it loads it, so no pass over the
-    product gathers and rotates q first; the other kernels get ``materialize()``."""
+class QkvProduct:
+    """A layer's q, k and v as their projection produced them, not yet rotated:
+    ``product`` ``[slices, T, N / slices]`` is the float32 output of a ``[q | k | v]``
+    linear layer by column slices (as ``cpu_matmul.matmul_slices`` returns it: column
+    ``h * D + d`` of q's heads, then k's, then v's), and ``cos``, ``sin`` ``[T, D]`` the
+    RoPE of q and k (``rotate_half_rope``). The CPU kernel reads each row where it lies
+    and rotates it as it loads it, so no pass over the product gathers and rotates q and
+    k first; elsewhere ``query()`` and ``keys_values()`` materialize them. Stands in for
+    q (``shape``, ``dtype``) in the checks of an attention call."""
 
     product: jax.Array
     cos: jax.Array
     sin: jax.Array
     num_heads: int = dataclasses.field(metadata=dict(static=True))
+    num_kv_heads: int = dataclasses.field(metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -118,12 +121,23 @@ class RotaryQuery:
     def dtype(self):
         return self.product.dtype
 
-    def materialize(self) -> jax.Array:
-        """q ``[T, Hq, D]``, rotated."""
+    def _heads(self) -> list[jax.Array]:
         t, h, d = self.shape
         s, _, w = self.product.shape
-        q = self.product.transpose(1, 0, 2).reshape(t, s * w)[:, : h * d].reshape(t, h, d)
+        joined = self.product.transpose(1, 0, 2).reshape(t, s * w)
+        hkv = self.num_kv_heads
+        q, k, v = jnp.split(joined, [h * d, (h + hkv) * d], axis=-1)
+        return [q.reshape(t, h, d), k.reshape(t, hkv, d), v[:, : hkv * d].reshape(t, hkv, d)]
+
+    def query(self) -> jax.Array:
+        """q ``[T, Hq, D]``, rotated."""
+        q = self._heads()[0]
         return rotate_half_rope(q, self.cos.astype(q.dtype), self.sin.astype(q.dtype))
+
+    def keys_values(self) -> tuple[jax.Array, jax.Array]:
+        """k (rotated) and v, ``[T, Hkv, D]`` each."""
+        _, k, v = self._heads()
+        return rotate_half_rope(k, self.cos.astype(k.dtype), self.sin.astype(k.dtype)), v
 
 
 @jax.tree_util.register_dataclass

@@ -26,8 +26,8 @@ from pallas_kernels.ragged_paged_attention.common import (
     DEFAULT_BLOCK_SIZES,
     QUANTIZED_KV_DTYPES,
     BlockSizes,
+    QkvProduct,
     QuantizedKV,
-    RotaryQuery,
     check_attention_inputs,
 )
 from pallas_kernels.ragged_paged_attention.reference import get_kv_cache_shape, ref_write_kv, storage_dtype
@@ -40,6 +40,7 @@ __all__ = [
     "ragged_paged_attention",
     "storage_dtype",
     "uses_amx",
+    "write_and_attend",
     "write_kv",
 ]
 
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 # The cache dtypes the kernel reads (bfloat16 as bits; 8-bit ones with their scales).
 KV_DTYPES = ("float32", "bfloat16", *QUANTIZED_KV_DTYPES)
 TARGET = "jaxserve_ragged_paged_attention"
+WRITE_TARGET = "jaxserve_write_and_attend"
 
 
 def _build() -> tuple[bool, str]:
@@ -86,23 +88,9 @@ def write_kv(kv_cache, layer, slot_mapping, k, v, *, interpret: bool = False):
     return ref_write_kv(kv_cache, layer, slot_mapping, k, v)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret", "out_dtype"))
-def ragged_paged_attention(
-    q: jax.Array | RotaryQuery,  # [T, Hq, D], or a product to read (and rotate) q from
-    kv_cache: jax.Array | QuantizedKV,  # [2*Hkv, L, num_pages, page_size, D], float32, uint16 (bfloat16 bits), 8-bit
-    layer: jax.Array,  # [] int32
-    kv_lens: jax.Array,  # [S] int32
-    page_table: jax.Array,  # [S, pages_per_seq] int32
-    query_start_loc: jax.Array,  # [S+1] int32
-    sliding_window: jax.Array | int = 0,  # [] int32, 0 = unlimited
-    *,
-    sm_scale: float,
-    block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,  # unused: the kernel tiles by itself
-    interpret: bool = False,  # unused: there is nothing to interpret
-    out_dtype=None,  # default q's; float32 and bfloat16 come from the kernel as they are
-) -> jax.Array:  # [T, Hq, D]
-    del block_sizes, interpret
-    out_dtype = jnp.dtype(out_dtype or q.dtype)
+def _operands(q, kv_cache, kv_lens, page_table, query_start_loc, out_dtype):
+    """The FFI call's q operands (rows, cos, sin), cache operands (values, scales) and
+    output type, after the checks of an attention call."""
     check_attention_inputs(q, kv_cache, kv_lens, page_table, query_start_loc)
     if kv_cache.shape[4] != q.shape[2]:
         raise ValueError(f"q head_dim {q.shape[2]} must equal the cache's head_dim {kv_cache.shape[4]}")
@@ -118,24 +106,98 @@ def ragged_paged_attention(
     ok, error = _build()
     if not ok:
         raise RuntimeError(error)
-    i32 = jnp.int32
-    native = out_dtype if out_dtype in (jnp.float32, jnp.bfloat16) else jnp.dtype(jnp.float32)
-    if isinstance(q, RotaryQuery):
+    if isinstance(q, QkvProduct):
         rows, cos, sin = q.product, q.cos, q.sin
     else:  # one slice of [T, Hq * D], rotated already
         rows, cos = q.reshape(1, q.shape[0], -1), jnp.zeros((0, q.shape[2]), jnp.float32)
         sin = cos
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, native))(
-        rows.astype(jnp.float32),
-        cos.astype(jnp.float32),
-        sin.astype(jnp.float32),
-        values,
-        scales,
+    out_dtype = jnp.dtype(out_dtype or q.dtype)
+    native = out_dtype if out_dtype in (jnp.float32, jnp.bfloat16) else jnp.dtype(jnp.float32)
+    f32 = jnp.float32
+    return (rows.astype(f32), cos.astype(f32), sin.astype(f32)), (values, scales), native, out_dtype
+
+
+def _metadata(layer, kv_lens, page_table, query_start_loc, sliding_window):
+    i32 = jnp.int32
+    return (
         jnp.asarray(layer, i32).reshape(()),
         kv_lens.astype(i32),
         page_table.astype(i32),
         query_start_loc.astype(i32),
         jnp.asarray(sliding_window, i32).reshape(()),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret", "out_dtype"))
+def ragged_paged_attention(
+    q: jax.Array | QkvProduct,  # [T, Hq, D], or a qkv product to read (and rotate) q from
+    kv_cache: jax.Array | QuantizedKV,  # [2*Hkv, L, num_pages, page_size, D], float32, uint16 (bfloat16 bits), 8-bit
+    layer: jax.Array,  # [] int32
+    kv_lens: jax.Array,  # [S] int32
+    page_table: jax.Array,  # [S, pages_per_seq] int32
+    query_start_loc: jax.Array,  # [S+1] int32
+    sliding_window: jax.Array | int = 0,  # [] int32, 0 = unlimited
+    *,
+    sm_scale: float,
+    block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,  # unused: the kernel tiles by itself
+    interpret: bool = False,  # unused: there is nothing to interpret
+    out_dtype=None,  # default q's; float32 and bfloat16 come from the kernel as they are
+) -> jax.Array:  # [T, Hq, D]
+    del block_sizes, interpret
+    rows, cache, native, out_dtype = _operands(q, kv_cache, kv_lens, page_table, query_start_loc, out_dtype)
+    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, native))(
+        *rows,
+        *cache,
+        *_metadata(layer, kv_lens, page_table, query_start_loc, sliding_window),
         sm_scale=np.float32(sm_scale),
     )
     return out.astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "out_dtype"))
+def write_and_attend(
+    qkv: QkvProduct,
+    kv_cache: jax.Array | QuantizedKV,
+    layer: jax.Array,
+    slot_mapping: jax.Array,  # [T] int32
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    query_start_loc: jax.Array,
+    sliding_window: jax.Array | int = 0,
+    *,
+    sm_scale: float,
+    out_dtype=None,
+) -> tuple[jax.Array, jax.Array | QuantizedKV]:
+    """``write_kv`` of the product's k (rotated) and v, then ``ragged_paged_attention``:
+    one kernel call for a float32 or bfloat16 cache, which it writes in place (the call
+    aliases it); an 8-bit cache is quantized and written by the reference's scatter.
+    Returns (output [T, Hq, D], kv_cache)."""
+    if isinstance(kv_cache, QuantizedKV):
+        kv_cache = write_kv(kv_cache, layer, slot_mapping, *qkv.keys_values())
+        out = ragged_paged_attention(
+            qkv,
+            kv_cache,
+            layer,
+            kv_lens,
+            page_table,
+            query_start_loc,
+            sliding_window,
+            sm_scale=sm_scale,
+            out_dtype=out_dtype,
+        )
+        return out, kv_cache
+    rows, cache, native, out_dtype = _operands(qkv, kv_cache, kv_lens, page_table, query_start_loc, out_dtype)
+    if slot_mapping.shape != (qkv.shape[0],):
+        raise ValueError(f"slot_mapping must be [T={qkv.shape[0]}], got shape {slot_mapping.shape}")
+    out, kv_cache = jax.ffi.ffi_call(
+        WRITE_TARGET,
+        (jax.ShapeDtypeStruct(qkv.shape, native), jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype)),
+        input_output_aliases={3: 1},  # kv_cache, written in place
+    )(
+        *rows,
+        *cache,
+        *_metadata(layer, kv_lens, page_table, query_start_loc, sliding_window),
+        slot_mapping.astype(jnp.int32),
+        sm_scale=np.float32(sm_scale),
+    )
+    return out.astype(out_dtype), kv_cache

@@ -220,14 +220,14 @@ struct Tile {
   int32_t seq, kv_head, first_token, num_tokens;  // tokens relative to the sequence's first
 };
 
-// Token `token`'s query for head `head`: its D values where they lie whole in one slice
-// and need no rotation, else in buf (2 * D floats). The rotation is rotate_half_rope's
-// (common.py), v * cos + rotate_half(v) * sin, rounded as XLA:CPU's fusion of it rounds:
-// fma(v, cos, rotate_half(v) * sin). A query comes out bitwise as XLA rotated it before,
-// without that fusion's pass over the product (~6 ms of a 500-token SmolLM2 prefill,
-// 2-core AMX Xeon).
-inline const float* QueryRow(const Problem& pb, int64_t token, int64_t head, float* buf) {
-  const int64_t D = pb.head_dim, col = head * D, w = pb.q_width;
+// The D values of token `token` from column `col` of the product (Problem::q) where
+// they lie whole in one slice and need no rotation, else in buf (2 * D floats). The
+// rotation (`rotate` and cos given) is rotate_half_rope's (common.py), v * cos + rotate_half(v) *
+// sin, rounded as XLA:CPU's fusion of it rounds: fma(v, cos, rotate_half(v) * sin). A
+// query (or key) comes out bitwise as XLA rotated it before, without that fusion's pass
+// over the product (~6 ms of a 500-token SmolLM2 prefill, 2-core AMX Xeon).
+inline const float* ProductRow(const Problem& pb, int64_t token, int64_t col, bool rotate, float* buf) {
+  const int64_t D = pb.head_dim, w = pb.q_width;
   const int64_t first = col / w, last = (col + D - 1) / w;
   const float* v = pb.q + (first * pb.num_tokens + token) * w + col - first * w;
   if (first != last) {  // across slices: gathered
@@ -239,12 +239,17 @@ inline const float* QueryRow(const Problem& pb, int64_t token, int64_t head, flo
     }
     v = gathered;
   }
-  if (pb.cos == nullptr) return v;
+  if (!rotate || pb.cos == nullptr) return v;
   const float *cs = pb.cos + token * D, *sn = pb.sin + token * D;
   const int64_t half = D / 2;
   for (int64_t j = 0; j < half; ++j) buf[j] = std::fma(v[j], cs[j], -v[j + half] * sn[j]);
   for (int64_t j = half; j < D; ++j) buf[j] = std::fma(v[j], cs[j], v[j - half] * sn[j]);
   return buf;
+}
+
+// Token `token`'s query for head `head` (ProductRow).
+inline const float* QueryRow(const Problem& pb, int64_t token, int64_t head, float* buf) {
+  return ProductRow(pb, token, head * pb.head_dim, true, buf);
 }
 
 // A tile's rows: row r is token first_token + r / G with query head kv_head * G + r % G.
@@ -1037,11 +1042,41 @@ void Drain(Work& work) {
   }
 }
 
-ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cos,
-                  ffi::Buffer<ffi::F32> sin, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::F32> scales,
-                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
-                  ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> window, float sm_scale,
-                  ffi::Result<ffi::AnyBuffer> out) {
+// This step's keys and values from the product (columns Hq * D on: k's heads, then v's)
+// into their slots of a float32 or bfloat16 cache, k rotated as the queries are: as
+// reference.ref_write_kv's scatter of XLA's rotated k stores them, bit for bit. Only the
+// sequences' tokens are written (the scatter also wrote padding tokens into page 0, which
+// nothing reads). Throws nothing: the slots were checked.
+void WriteKv(ffi::ThreadPool& pool, const Problem& pb, void* cache, bool bf16, const int32_t* slots, int32_t lo,
+             int32_t hi) {
+  const int64_t D = pb.head_dim, hkv = pb.num_kv_heads, k_col = pb.num_heads * D;
+  constexpr int32_t kTokens = 16;  // per work item
+  jaxserve::RunOnPool(pool, (hi - lo + kTokens - 1) / kTokens, [&](int item) {
+    thread_local std::vector<float> buf;
+    buf.resize(2 * D);
+    for (int32_t t = lo + item * kTokens; t < std::min(hi, lo + (item + 1) * kTokens); ++t) {
+      const int64_t page = slots[t] / pb.page_size, slot = slots[t] % pb.page_size;
+      for (int64_t plane = 0; plane < 2 * hkv; ++plane) {  // k's heads, then v's
+        const float* row = ProductRow(pb, t, k_col + plane * D, plane < hkv, buf.data());
+        const int64_t at = (((plane * pb.num_layers + pb.layer) * pb.num_pages + page) * pb.page_size + slot) * D;
+        if (bf16) {
+          uint16_t* dst = static_cast<uint16_t*>(cache) + at;
+          for (int64_t d = 0; d < D; ++d) dst[d] = jaxserve::Bf16Bits(row[d]);
+        } else {
+          std::memcpy(static_cast<float*>(cache) + at, row, D * sizeof(float));
+        }
+      }
+    }
+  });
+}
+
+// Attention of a step (the Problem's contract above), and with `slots` ([T]) first the
+// step's keys and values into kv_data (WriteKv). kv_cache describes the cache's shape.
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& cos, ffi::Buffer<ffi::F32>& sin,
+               ffi::AnyBuffer& kv_cache, void* kv_data, ffi::Buffer<ffi::F32>& scales, ffi::Buffer<ffi::S32>& layer,
+               ffi::Buffer<ffi::S32>& kv_lens, ffi::Buffer<ffi::S32>& page_table,
+               ffi::Buffer<ffi::S32>& query_start_loc, ffi::Buffer<ffi::S32>& window, float sm_scale,
+               ffi::Result<ffi::AnyBuffer>& out, const ffi::Buffer<ffi::S32>* slots) {
   auto qd = q.dimensions();
   auto kd = kv_cache.dimensions();
   auto od = out->dimensions();
@@ -1076,7 +1111,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   pb.q_width = qd[2];
   pb.cos = rotate ? cos.typed_data() : nullptr;
   pb.sin = rotate ? sin.typed_data() : nullptr;
-  pb.kv = kv_cache.untyped_data();
+  pb.kv = kv_data;
   pb.scales = scaled ? scales.typed_data() : nullptr;
   pb.num_tokens = od[0];
   pb.num_heads = od[1];
@@ -1128,6 +1163,25 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
     }
   }
 
+  if (slots != nullptr) {
+    const int32_t lo = pb.query_start_loc[0], hi = pb.query_start_loc[num_seqs];
+    if (kind != ffi::DataType::F32 && kind != ffi::DataType::U16) {
+      return ffi::Error::InvalidArgument("the kernel writes a float32 or bfloat16 cache only");
+    }
+    if (slots->element_count() != pb.num_tokens) return ffi::Error::InvalidArgument("slot_mapping must be [T]");
+    if (pb.q_slices * pb.q_width < (pb.num_heads + 2 * pb.num_kv_heads) * pb.head_dim) {
+      return ffi::Error::InvalidArgument("the product must hold [T, (Hq + 2 Hkv) * D]: q, k and v");
+    }
+    const int32_t* slot = slots->typed_data();
+    for (int32_t t = lo; t < hi; ++t) {
+      if (slot[t] < 0 || slot[t] >= pb.num_pages * pb.page_size) {
+        return ffi::Error::InvalidArgument("slot_mapping[" + std::to_string(t) + "] = " + std::to_string(slot[t]) +
+                                           " is not a slot of the cache");
+      }
+    }
+    WriteKv(pool, pb, kv_data, kind == ffi::DataType::U16, slot, lo, hi);
+  }
+
   // Every row of a sequence's tokens is stored by its tile; the tokens outside all
   // sequences (padding) come out zero. Zeroing the whole output first was a pass over it
   // per layer (~1 MB at 512 tokens of SmolLM2, ~0.1 ms on a 2-core Xeon).
@@ -1152,6 +1206,32 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   const int workers = static_cast<int>(std::min<size_t>(pool.num_threads() + 1, tiles.size()));
   jaxserve::RunOnPool(pool, workers, [&](int) { Drain(*work); });
   return ffi::Error::Success();
+}
+
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cos,
+                  ffi::Buffer<ffi::F32> sin, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::F32> scales,
+                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
+                  ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> window, float sm_scale,
+                  ffi::Result<ffi::AnyBuffer> out) {
+  return Run(pool, q, cos, sin, kv_cache, kv_cache.untyped_data(), scales, layer, kv_lens, page_table,
+             query_start_loc, window, sm_scale, out, nullptr);
+}
+
+// Attend, after writing the step's K/V into the cache in place: `cache` is kv_cache's
+// buffer (the call aliases them), so the scatter XLA ran before, and its pass that rotated
+// k and cast it for the cache, are gone (~2.5 ms of a 500-token SmolLM2 prefill, 2-core
+// AMX Xeon).
+ffi::Error WriteAndAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cos,
+                          ffi::Buffer<ffi::F32> sin, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::F32> scales,
+                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
+                          ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> query_start_loc,
+                          ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::S32> slot_mapping, float sm_scale,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> cache) {
+  if (cache->untyped_data() != kv_cache.untyped_data()) {
+    return ffi::Error::InvalidArgument("the written cache must alias kv_cache (input_output_aliases)");
+  }
+  return Run(pool, q, cos, sin, kv_cache, cache->untyped_data(), scales, layer, kv_lens, page_table,
+             query_start_loc, window, sm_scale, out, &slot_mapping);
 }
 
 }  // namespace
@@ -1188,6 +1268,24 @@ extern "C" int64_t JaxserveExpMismatches(float lo, uint32_t stride) {
 
 // The threads every CPU kernel of the library splits its work over (cpu_threads.h).
 extern "C" int JaxserveThreads() { return jaxserve::Threads(); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteAndAttend, WriteAndAttend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // the qkv product [slices, T, N / slices]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos [T, D], or empty
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin [T, D], or empty
+                                  .Arg<ffi::AnyBuffer>()          // kv_cache (float32 or bfloat16 bits)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scales (unused)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // sliding window
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slot_mapping [T]
+                                  .Attr<float>("sm_scale")
+                                  .Ret<ffi::AnyBuffer>()          // [T, Hq, D] float32 or bfloat16
+                                  .Ret<ffi::AnyBuffer>());        // the cache, written (aliases kv_cache)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attend,
                               ffi::Ffi::Bind()
