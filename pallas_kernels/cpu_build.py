@@ -149,6 +149,7 @@ def kernels() -> Kernels:
     if not matmul_error:
         register(lib, "JaxserveMatmul", "jaxserve_matmul")
         register(lib, "JaxserveMatmulSwiGlu", "jaxserve_matmul_swiglu")
+        register(lib, "JaxserveAddRmsNorm", "jaxserve_add_rms_norm")
     return Kernels(lib, "", matmul_error)
 
 

@@ -32,6 +32,7 @@ from pallas_kernels import cpu_build
 
 __all__ = [
     "DTYPES",
+    "add_rms_norm",
     "available",
     "build_error",
     "impl",
@@ -41,6 +42,7 @@ __all__ = [
     "pack",
     "pack_swiglu",
     "packed_bytes",
+    "rms_norm",
     "slices",
     "swiglu",
     "swiglu_part",
@@ -49,6 +51,7 @@ __all__ = [
 
 TARGET = "jaxserve_matmul"
 SWIGLU_TARGET = "jaxserve_matmul_swiglu"
+NORM_TARGET = "jaxserve_add_rms_norm"
 DTYPES = ("float32", "bfloat16")  # weight dtypes; x is cast to the weight's dtype
 
 
@@ -240,3 +243,30 @@ def swiglu(x: jax.Array, packed: jax.Array, layer: jax.Array | int, i: int, dtyp
         slices=np.int64(swiglu_slices(i, dtype)),
     )
     return out.reshape(*x.shape[:-1], i)
+
+
+def add_rms_norm(
+    x: jax.Array, y: jax.Array | None, weight: jax.Array, eps: float, dtype
+) -> tuple[jax.Array, jax.Array]:
+    """``x + join_slices(y)`` (x where y is None) and its RMSNorm, ``weight * (x *
+    rsqrt(mean(x * x) + eps))`` in ``dtype`` (a matmul's weights': the next call reads it),
+    from one pass over the rows: x ``[M, E]`` float32, y ``[slices, M, E / slices]`` as
+    ``matmul_slices`` returns it."""
+    _checked()
+    m, e = x.shape
+    dtype = jnp.bfloat16 if jnp.dtype(dtype).name == "bfloat16" else jnp.float32
+    rows = m if y is not None else 0
+    total, h = jax.ffi.ffi_call(
+        NORM_TARGET, (jax.ShapeDtypeStruct((rows, e), jnp.float32), jax.ShapeDtypeStruct((m, e), dtype))
+    )(
+        x.astype(jnp.float32),
+        jnp.zeros((0, m, e), jnp.float32) if y is None else y,
+        weight.astype(jnp.float32),
+        eps=np.float32(eps),
+    )
+    return (x if y is None else total), h
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype) -> jax.Array:
+    """``add_rms_norm`` of x alone: its RMSNorm in ``dtype``."""
+    return add_rms_norm(x, None, weight, eps, dtype)[1]

@@ -188,3 +188,27 @@ def test_a_prefills_swiglu_runs_parts_of_slices_and_a_decodes_whole_ones(dtype):
     if "brg" not in cpu_matmul.impl(512, 576, 3072, dtype):
         pytest.skip(f"oneDNN runs {cpu_matmul.impl(512, 576, 3072, dtype)} here: whole slices (part {part})")
     assert part < width and width % part == 0, part
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_add_rms_norm_is_the_models_norm_of_the_sum(dtype):
+    """add_rms_norm is x + y (the slices joined) bit for bit, and llama.rms_norm of it to
+    float32 rounding (its sum of squares runs in another order than XLA's), in the weights'
+    dtype within one bfloat16 rounding; a row's bits do not depend on the rows beside it."""
+    from jaxserve.models.llama import rms_norm
+
+    rng = np.random.default_rng(0)
+    m, e = 40, 576
+    x = jnp.asarray(rng.standard_normal((m, e)).astype(np.float32) * 3)
+    y = jnp.asarray(rng.standard_normal((2, m, e // 2)).astype(np.float32))
+    w = jnp.asarray(rng.uniform(0.5, 1.5, e).astype(np.float32))
+    total, h = jax.jit(cpu_matmul.add_rms_norm, static_argnums=(3, 4))(x, y, w, 1e-5, dtype)
+    joined = x + cpu_matmul.join_slices(y)
+    np.testing.assert_array_equal(total, joined)
+    want = rms_norm(joined, w, 1e-5)
+    assert h.dtype == jnp.dtype(dtype)
+    np.testing.assert_allclose(np.asarray(h, np.float32), want, rtol=1e-6 if dtype == "float32" else 8e-3, atol=1e-6)
+    alone = cpu_matmul.rms_norm(joined, w, 1e-5, dtype)
+    np.testing.assert_array_equal(np.asarray(alone, np.float32), np.asarray(h, np.float32))
+    few = cpu_matmul.rms_norm(joined[5:13], w, 1e-5, dtype)
+    np.testing.assert_array_equal(np.asarray(few, np.float32), np.asarray(h, np.float32)[5:13])

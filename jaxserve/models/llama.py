@@ -189,6 +189,12 @@ class DecoderLayer(nnx.Module):
         widths = [matmul_shapes(self.cfg)[name][1] for name in FUSED[fused]]
         return jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1)
 
+    def norms_in_kernel(self, x: jax.Array) -> bool:
+        """Whether the RMSNorms (and the residual add before the MLP's) run as
+        ``cpu_matmul.add_rms_norm``, one pass over the rows that hands the next oneDNN call
+        its input in the weights' dtype: oneDNN weights and float32 activations."""
+        return self.o_input() is not None and x.dtype == jnp.float32
+
     def rope_in_attention(self, x: jax.Array, backend: AttentionBackend) -> bool:
         """Whether q, k and v go to attention unrotated, in the qkv call's product
         (QkvProduct): oneDNN weights, float32 activations, nothing between projection and
@@ -212,8 +218,12 @@ class DecoderLayer(nnx.Module):
         cfg = self.cfg
         t = x.shape[0]
         eps = cfg.rms_norm_eps
+        kernels_norm = self.norms_in_kernel(x)
         with jax.named_scope("attention"):
-            h = rms_norm(x, self.input_norm[...], eps)
+            if kernels_norm:
+                h = cpu_matmul.rms_norm(x, self.input_norm[...], eps, self.packed)
+            else:
+                h = rms_norm(x, self.input_norm[...], eps)
             if self.rope_in_attention(x, backend):
                 # q, k and v stay in the product: the attention kernel reads (and rotates) them there.
                 n = self.shapes["qkv_proj"][1]
@@ -240,9 +250,15 @@ class DecoderLayer(nnx.Module):
                 o, kv_cache = backend.write_and_attend(
                     q, k, v, kv_cache, layer, md, sliding_window, sm_scale=cfg.head_dim**-0.5, out_dtype=self.o_input()
                 )
-            x = x + self.linear(o.reshape(t, -1), "o_proj", layer, x.dtype)
+            if kernels_norm:
+                n = self.shapes["o_proj"][1]
+                product = cpu_matmul.matmul_slices(o.reshape(t, -1), self.o_proj[...], layer, n, self.packed)
+                x, h = cpu_matmul.add_rms_norm(x, product, self.post_attention_norm[...], eps, self.packed)
+            else:
+                x = x + self.linear(o.reshape(t, -1), "o_proj", layer, x.dtype)
         with jax.named_scope("mlp"):
-            h = rms_norm(x, self.post_attention_norm[...], eps)
+            if not kernels_norm:
+                h = rms_norm(x, self.post_attention_norm[...], eps)
             if self.packed is not None and self.quant is None:  # oneDNN: SiLU and product in the kernel
                 gated = cpu_matmul.swiglu(h, self.gate_up_proj[...], layer, cfg.intermediate_size, self.packed)
             else:
