@@ -3,9 +3,12 @@ XLA's FFI, for the decode and prefill attention that XLA:CPU runs slowly in pure
 (its gathers and tiny batched matmuls cost ~0.5 ns per element; see the README's
 Performance section).
 
-Same contract and KV layout as ``reference.py``; the KV write is the reference's XLA
+Same contract and KV layout as ``reference.py``; ``write_kv`` is the reference's XLA
 scatter, a bfloat16 cache is held as its bits (``reference.storage_dtype``), and an
 8-bit cache is a ``QuantizedKV`` whose rows the kernel widens times their scales.
+``write_and_attend`` takes a layer's unrotated q|k|v product (``QkvProduct``) instead: one
+call rotates q and k as it reads them, writes k and v into a float32 or bfloat16 cache in
+place, and attends.
 
 The kernel is compiled on first use (``pallas_kernels.cpu_build``: the machine's C++
 compiler, cached per source, flags, jaxlib and CPU). :func:`available` says whether that worked;
