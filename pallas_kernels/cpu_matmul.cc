@@ -125,6 +125,19 @@ void Pack(const void* weight, int64_t k, int64_t n, int64_t slices, bool f32, vo
   stream.wait();
 }
 
+// make()'s value for `key`, made on first use and kept for the process: one table per call
+// site (the lambda's type makes the instantiation). The table stays locked while make()
+// runs, so concurrent callers wait for one result instead of each making it.
+template <typename Key, typename Make>
+auto Cached(const Key& key, Make&& make) -> decltype(make()) {
+  static std::mutex mu;
+  static std::map<Key, decltype(make())> table;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = table.find(key);
+  if (it == table.end()) it = table.emplace(key, make()).first;
+  return it->second;
+}
+
 struct Entry {
   dnnl::memory::desc src, weights, dst, scratchpad;
   dnnl::matmul primitive;
@@ -133,26 +146,21 @@ struct Entry {
 
 // One primitive per (rows, K, column slice width, weight type), built on first use.
 std::shared_ptr<const Entry> Primitive(int64_t m, int64_t k, int64_t n, bool f32) {
-  static std::mutex mu;
-  static std::map<std::tuple<int64_t, int64_t, int64_t, bool>, std::shared_ptr<const Entry>> cache;
-  const auto key = std::make_tuple(m, k, n, f32);
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  auto entry = std::make_shared<Entry>();
-  entry->src = dnnl::memory::desc({m, k}, WeightType(f32), tag::ab);
-  entry->weights = PackedDesc(k, n, f32);
-  entry->dst = dnnl::memory::desc({m, n}, dt::f32, tag::ab);
-  // Slices of one call run the same primitive on several threads at once: each brings its
-  // own scratchpad (oneDNN's own one is shared by concurrent executions).
-  dnnl::primitive_attr attr;
-  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  dnnl::matmul::primitive_desc pd(Engine(), entry->src, entry->weights, entry->dst, attr);
-  entry->scratchpad = pd.scratchpad_desc();
-  entry->primitive = dnnl::matmul(pd);
-  entry->gemm = std::string(pd.impl_info_str()).rfind("gemm", 0) == 0;
-  cache.emplace(key, entry);
-  return entry;
+  return Cached(std::make_tuple(m, k, n, f32), [&]() -> std::shared_ptr<const Entry> {
+    auto entry = std::make_shared<Entry>();
+    entry->src = dnnl::memory::desc({m, k}, WeightType(f32), tag::ab);
+    entry->weights = PackedDesc(k, n, f32);
+    entry->dst = dnnl::memory::desc({m, n}, dt::f32, tag::ab);
+    // Slices of one call run the same primitive on several threads at once: each brings its
+    // own scratchpad (oneDNN's own one is shared by concurrent executions).
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    dnnl::matmul::primitive_desc pd(Engine(), entry->src, entry->weights, entry->dst, attr);
+    entry->scratchpad = pd.scratchpad_desc();
+    entry->primitive = dnnl::matmul(pd);
+    entry->gemm = std::string(pd.impl_info_str()).rfind("gemm", 0) == 0;
+    return entry;
+  });
 }
 
 thread_local std::string last_error;
@@ -238,48 +246,44 @@ int64_t PartWidth(const ColumnLayout& layout, int64_t width, int64_t rows, int64
 // operands, where the weight takes at most 32 MB and the products at most 64 (larger calls
 // run whole slices). Throws dnnl::error.
 bool PartsAgree(int64_t rows, int64_t k, int64_t n, int64_t part, bool f32, const ColumnLayout& columns) {
-  static std::mutex mu;
-  static std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, bool>, bool> checked;
-  const auto key = std::make_tuple(rows, k, n, part, f32);
-  std::lock_guard<std::mutex> lock(mu);
-  if (auto it = checked.find(key); it != checked.end()) return it->second;
-  const int64_t item = f32 ? 4 : 2;
-  bool agree = k * n * item <= (int64_t{32} << 20) && rows * n * 4 <= (int64_t{64} << 20);
-  if (agree) {
-    // Values of either dtype: float32 with bits below bfloat16's cleared.
-    uint32_t state = 12345;
-    auto fill = [&](std::vector<uint8_t>& out, int64_t count) {
-      out.resize(count * item);
-      for (int64_t i = 0; i < count; ++i) {
-        state = state * 1664525u + 1013904223u;
-        const float v = static_cast<float>(static_cast<int32_t>(state >> 8) - (1 << 23)) / (1 << 23);
-        uint32_t bits;
-        std::memcpy(&bits, &v, sizeof bits);
-        bits &= 0xffff0000u;
-        if (f32) {
-          std::memcpy(&out[i * 4], &bits, 4);
-        } else {
-          const uint16_t top = static_cast<uint16_t>(bits >> 16);
-          std::memcpy(&out[i * 2], &top, 2);
+  return Cached(std::make_tuple(rows, k, n, part, f32), [&] {
+    const int64_t item = f32 ? 4 : 2;
+    bool agree = k * n * item <= (int64_t{32} << 20) && rows * n * 4 <= (int64_t{64} << 20);
+    if (agree) {
+      // Values of either dtype: float32 with bits below bfloat16's cleared.
+      uint32_t state = 12345;
+      auto fill = [&](std::vector<uint8_t>& out, int64_t count) {
+        out.resize(count * item);
+        for (int64_t i = 0; i < count; ++i) {
+          state = state * 1664525u + 1013904223u;
+          const float v = static_cast<float>(static_cast<int32_t>(state >> 8) - (1 << 23)) / (1 << 23);
+          uint32_t bits;
+          std::memcpy(&bits, &v, sizeof bits);
+          bits &= 0xffff0000u;
+          if (f32) {
+            std::memcpy(&out[i * 4], &bits, 4);
+          } else {
+            const uint16_t top = static_cast<uint16_t>(bits >> 16);
+            std::memcpy(&out[i * 2], &top, 2);
+          }
+        }
+      };
+      std::vector<uint8_t> x, plain, packed(PackedDesc(k, n, f32).get_size());
+      fill(x, rows * k);
+      fill(plain, k * n);
+      Pack(plain.data(), k, n, 1, f32, packed.data());
+      std::vector<float> whole(rows * n), piece(rows * part);
+      Execute(*Primitive(rows, k, n, f32), x.data(), packed.data(), whole.data());
+      const auto narrow = Primitive(rows, k, part, f32);
+      for (int64_t c = 0; agree && c < n; c += part) {
+        Execute(*narrow, x.data(), columns.At(packed.data(), c), piece.data());
+        for (int64_t r = 0; agree && r < rows; ++r) {
+          agree = std::memcmp(&whole[r * n + c], &piece[r * part], part * sizeof(float)) == 0;
         }
       }
-    };
-    std::vector<uint8_t> x, plain, packed(PackedDesc(k, n, f32).get_size());
-    fill(x, rows * k);
-    fill(plain, k * n);
-    Pack(plain.data(), k, n, 1, f32, packed.data());
-    std::vector<float> whole(rows * n), piece(rows * part);
-    Execute(*Primitive(rows, k, n, f32), x.data(), packed.data(), whole.data());
-    const auto narrow = Primitive(rows, k, part, f32);
-    for (int64_t c = 0; agree && c < n; c += part) {
-      Execute(*narrow, x.data(), columns.At(packed.data(), c), piece.data());
-      for (int64_t r = 0; agree && r < rows; ++r) {
-        agree = std::memcmp(&whole[r * n + c], &piece[r * part], part * sizeof(float)) == 0;
-      }
     }
-  }
-  checked.emplace(key, agree);
-  return agree;
+    return agree;
+  });
 }
 
 // x [M, K] @ w[layer] -> out [slices, M, N / slices]: slice i (columns [i * N / slices,
@@ -431,13 +435,9 @@ struct SwiGluPlan {
 // its layout queries (~10 us of oneDNN descriptor each) and PartsAgree's check stay off the
 // per-call path. Throws dnnl::error.
 std::shared_ptr<const SwiGluPlan> PlanFor(int64_t m, int64_t k, int64_t width, bool f32) {
-  static std::mutex mu;
-  static std::map<std::tuple<int64_t, int64_t, int64_t, bool>, std::shared_ptr<const SwiGluPlan>> plans;
-  const auto key = std::make_tuple(m, k, width, f32);
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = plans.find(key);
-  if (it == plans.end()) it = plans.emplace(key, std::make_shared<const SwiGluPlan>(m, k, width, f32)).first;
-  return it->second;
+  return Cached(std::make_tuple(m, k, width, f32), [&]() -> std::shared_ptr<const SwiGluPlan> {
+    return std::make_shared<const SwiGluPlan>(m, k, width, f32);
+  });
 }
 
 // silu(x @ gate) * (x @ up) -> out [M, I] in x's dtype. The fused weight was packed as
@@ -527,7 +527,9 @@ ffi::Error AddRmsNorm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument("y must be [slices, M, E / slices] and x_out [M, E]");
   }
   const bool bf16 = h->element_type() == ffi::DataType::BF16;
-  if (!bf16 && h->element_type() != ffi::DataType::F32) return ffi::Error::InvalidArgument("h must be float32 or bfloat16");
+  if (!bf16 && h->element_type() != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("h must be float32 or bfloat16");
+  }
   const int64_t slices = add ? yd[0] : 1, width = e / slices;
   const float *xs = x.typed_data(), *ys = y.typed_data(), *w = weight.typed_data();
   float* xo = x_out->typed_data();

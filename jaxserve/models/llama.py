@@ -180,14 +180,11 @@ class DecoderLayer(nnx.Module):
 
     def projections(self, x: jax.Array, fused: str, layer: jax.Array) -> list[jax.Array]:
         """The outputs of the weights ``fused`` stands for (one kernel call when packed)."""
+        names = FUSED[fused]
         if self.packed is None:
-            return [self.linear(x, name, layer) for name in FUSED[fused]]
-        return self.split(self.linear(x, fused, layer), fused)
-
-    def split(self, y: jax.Array, fused: str) -> list[jax.Array]:
-        """``y``, the output of fused weight ``fused``, as the outputs of its weights."""
-        widths = [matmul_shapes(self.cfg)[name][1] for name in FUSED[fused]]
-        return jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1)
+            return [self.linear(x, name, layer) for name in names]
+        widths = [matmul_shapes(self.cfg)[name][1] for name in names]
+        return jnp.split(self.linear(x, fused, layer), np.cumsum(widths)[:-1].tolist(), axis=-1)
 
     def norms_in_kernel(self, x: jax.Array) -> bool:
         """Whether the RMSNorms (and the residual add before the MLP's) run as
@@ -202,7 +199,7 @@ class DecoderLayer(nnx.Module):
         reads them there."""
         cfg = self.cfg
         plain = not cfg.attention_bias and not cfg.qk_norm
-        return self.o_input() is not None and x.dtype == jnp.float32 and plain and backend.reads_products
+        return self.norms_in_kernel(x) and plain and backend.reads_products
 
     def __call__(
         self,

@@ -25,6 +25,8 @@ import operator
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import cpu_matmul
+
 MASKED = -1e30  # finite "minus infinity": fully masked rows stay NaN-free
 
 
@@ -123,8 +125,7 @@ class QkvProduct:
 
     def _heads(self) -> list[jax.Array]:
         t, h, d = self.shape
-        s, _, w = self.product.shape
-        joined = self.product.transpose(1, 0, 2).reshape(t, s * w)
+        joined = cpu_matmul.join_slices(self.product)
         hkv = self.num_kv_heads
         q, k, v = jnp.split(joined, [h * d, (h + hkv) * d], axis=-1)
         return [q.reshape(t, h, d), k.reshape(t, hkv, d), v[:, : hkv * d].reshape(t, hkv, d)]

@@ -222,10 +222,11 @@ struct Tile {
 
 // The D values of token `token` from column `col` of the product (Problem::q) where
 // they lie whole in one slice and need no rotation, else in buf (2 * D floats). The
-// rotation (`rotate` and cos given) is rotate_half_rope's (common.py), v * cos + rotate_half(v) *
-// sin, rounded as XLA:CPU's fusion of it rounds: fma(v, cos, rotate_half(v) * sin). A
-// query (or key) comes out bitwise as XLA rotated it before, without that fusion's pass
-// over the product (~6 ms of a 500-token SmolLM2 prefill, 2-core AMX Xeon).
+// rotation (`rotate` and cos given) is rotate_half_rope's (common.py), v * cos +
+// rotate_half(v) * sin, always as fma(v, cos, rotate_half(v) * sin): how XLA:CPU's own
+// fusion of it rounds standing alone (XLA decides per fusion; fused with the cache's cast
+// it had not contracted every element). It spares the pass that gathered and rotated q
+// from the product (~6 ms of a 500-token SmolLM2 prefill, 2-core AMX Xeon).
 inline const float* ProductRow(const Problem& pb, int64_t token, int64_t col, bool rotate, float* buf) {
   const int64_t D = pb.head_dim, w = pb.q_width;
   const int64_t first = col / w, last = (col + D - 1) / w;
@@ -1043,8 +1044,9 @@ void Drain(Work& work) {
 }
 
 // This step's keys and values from the product (columns Hq * D on: k's heads, then v's)
-// into their slots of a float32 or bfloat16 cache, k rotated as the queries are: as
-// reference.ref_write_kv's scatter of XLA's rotated k stores them, bit for bit. Only the
+// into their slots of a float32 or bfloat16 cache, k rotated as the queries are
+// (ProductRow), each value rounded as XLA's cast would (Bf16Bits): what
+// reference.ref_write_kv's scatter stores of QkvProduct.keys_values(). Only the
 // sequences' tokens are written (the scatter also wrote padding tokens into page 0, which
 // nothing reads). Throws nothing: the slots were checked.
 void WriteKv(ffi::ThreadPool& pool, const Problem& pb, void* cache, bool bf16, const int32_t* slots, int32_t lo,
