@@ -261,7 +261,10 @@ class DecoderLayer(nnx.Module):
             else:
                 gate, up = self.projections(h, "gate_up_proj", layer)
                 gated = jax.nn.silu(gate) * up
-            x = x + self.linear(gated, "down_proj", layer)
+            # Added in float32, as it left the matmul: the oneDNN SwiGLU's output is bfloat16
+            # (down_proj's input), and rounding down_proj's output to it too put these logits
+            # 4x further from XLA's (test_onednn_layers_add_their_outputs_to_x_in_float32).
+            x = x + self.linear(gated, "down_proj", layer, x.dtype)
         return x, kv_cache
 
 
