@@ -11,6 +11,9 @@ layer's slice first): on a 2-core AMX CPU a chain of SmolLM2's MLP matmuls runs 
 faster so at 8-32 rows and ~1.15x at 512. ``swiglu`` runs the MLP's gate|up weight the
 same way and returns ``silu(gate) * up`` from the same call (``pack_swiglu``'s slices each
 hold their gate and up columns).
+A decode's calls (up to 32 rows) of bfloat16 weights on an AMX CPU run the kernel's own
+tile loop over the same packed bytes instead of oneDNN's primitive: it gives oneDNN's bits
+(checked per shape; ``uses_tiles``) and streams the weight faster.
 
 The library is oneDNN's CPU build from PyPI (``onednn-cpu-gomp``, headers in
 ``onednn-devel-cpu-gomp``; x86-64 Linux), compiled against on first use with the other
@@ -47,6 +50,7 @@ __all__ = [
     "swiglu",
     "swiglu_part",
     "swiglu_slices",
+    "uses_tiles",
 ]
 
 TARGET = "jaxserve_matmul"
@@ -70,6 +74,8 @@ def _lib() -> tuple[ctypes.CDLL | None, str]:
     ]  # fmt: skip
     lib.JaxserveMatmulImpl.restype = ctypes.c_char_p
     lib.JaxserveMatmulImpl.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.JaxserveMatmulTiles.restype = ctypes.c_int
+    lib.JaxserveMatmulTiles.argtypes = [ctypes.c_int64] * 3
     lib.JaxserveSwiGluPart.restype = ctypes.c_int64
     lib.JaxserveSwiGluPart.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int]
     lib.JaxserveLastError.restype = ctypes.c_char_p
@@ -190,6 +196,17 @@ def pack_swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 def impl(m: int, k: int, n: int, dtype) -> str:
     """The oneDNN implementation that runs ``m`` rows of one slice (``brg:avx512_core_amx``...)."""
     return _checked().JaxserveMatmulImpl(m, k, n // slices(n, dtype), _is_f32(dtype)).decode()
+
+
+def uses_tiles(m: int, k: int, n: int) -> bool:
+    """Whether ``m``-row calls on one slice of an ``n``-wide bfloat16 ``[k, n]`` weight run
+    on the kernel's own AMX loop (a decode's few rows: oneDNN's bits, checked once per
+    shape, streamed faster) instead of oneDNN's primitive."""
+    lib = _checked()
+    used = lib.JaxserveMatmulTiles(m, k, n // slices(n, "bfloat16"))
+    if used < 0:
+        raise RuntimeError(f"oneDNN: {lib.JaxserveLastError().decode()}")
+    return bool(used)
 
 
 def swiglu_part(m: int, k: int, i: int, dtype) -> int:

@@ -73,6 +73,21 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(k, n, dtype):
         np.testing.assert_array_equal(outs[0], other)
 
 
+@pytest.mark.skipif(
+    not cpu_matmul.available("bfloat16")
+    or not cpu_matmul.impl(32, 576, 576, ml_dtypes.bfloat16).startswith("brg:avx512_core_amx")
+    or os.environ.get("JAXSERVE_CPU_AMX") == "0",
+    reason="oneDNN runs bfloat16 without AMX here",
+)
+def test_a_decodes_few_rows_run_on_the_kernels_own_tiles():
+    """Up to 32 rows of bfloat16 run the kernel's own AMX loop (faster at streaming the
+    weight), which it uses only where it gave oneDNN's bits for the shape when the call was
+    first built; test_a_row_does_not_depend_on_the_rows_beside_it then holds those rows to
+    the same rows in 64-512-row calls, which oneDNN runs. Every shape above takes it."""
+    for k, n in SHAPES:
+        assert [cpu_matmul.uses_tiles(m, k, n) for m in (8, 9, 32, 64)] == [True, True, True, False], (k, n)
+
+
 @pytest.mark.parametrize("dtype", [BF16, np.float32])
 @pytest.mark.parametrize("k, i", [(576, 1536), (64, 40)])  # SmolLM2's MLP; slices of 20: a partial group of 16
 def test_swiglu_matches_silu_of_the_two_products(k, i, dtype):
