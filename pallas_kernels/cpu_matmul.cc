@@ -139,7 +139,43 @@ auto Cached(const Key& key, Make&& make) -> decltype(make()) {
   return it->second;
 }
 
+// Random rows [rows, k] and a random [k, n] weight packed as one slice, of either dtype
+// (float32 with the bits below bfloat16's cleared): for checks that two ways of computing
+// a product give the same bits.
+struct Operands {
+  std::vector<uint8_t> x, packed;
+};
+
+Operands RandomOperands(int64_t rows, int64_t k, int64_t n, bool f32) {
+  const int64_t item = f32 ? 4 : 2;
+  uint32_t state = 12345;
+  auto fill = [&](std::vector<uint8_t>& out, int64_t count) {
+    out.resize(count * item);
+    for (int64_t i = 0; i < count; ++i) {
+      state = state * 1664525u + 1013904223u;
+      const float v = static_cast<float>(static_cast<int32_t>(state >> 8) - (1 << 23)) / (1 << 23);
+      uint32_t bits;
+      std::memcpy(&bits, &v, sizeof bits);
+      bits &= 0xffff0000u;
+      if (f32) {
+        std::memcpy(&out[i * 4], &bits, 4);
+      } else {
+        const uint16_t top = static_cast<uint16_t>(bits >> 16);
+        std::memcpy(&out[i * 2], &top, 2);
+      }
+    }
+  };
+  Operands ops;
+  std::vector<uint8_t> plain;
+  fill(ops.x, rows * k);
+  fill(plain, k * n);
+  ops.packed.resize(PackedDesc(k, n, f32).get_size());
+  Pack(plain.data(), k, n, 1, f32, ops.packed.data());
+  return ops;
+}
+
 struct Entry {
+  int64_t rows, k, n;  // the descriptors' dims, kept plain: a query of them allocates
   dnnl::memory::desc src, weights, dst, scratchpad;
   dnnl::matmul primitive;
   bool gemm;  // oneDNN's plain GEMM ("gemm:jit..."): calls of at most kMaxGemmRows rows
@@ -209,15 +245,17 @@ void TileMatmul(const uint16_t* x, const uint16_t* w, float* dst, int64_t m, int
   }
 }
 
-// Whether TileMatmul gives oneDNN's bits for this shape: both run on the same random rows
-// and weight, packed as the entry packs.
-bool TileMatchesOneDnn(const Entry& e, int64_t m, int64_t k, int64_t n);
+// Whether TileMatmul gives oneDNN's bits for the entry's shape (RandomOperands).
+bool TileMatchesOneDnn(const Entry& e);
 #endif
 
 // One primitive per (rows, K, column slice width, weight type), built on first use.
 std::shared_ptr<const Entry> Primitive(int64_t m, int64_t k, int64_t n, bool f32) {
   return Cached(std::make_tuple(m, k, n, f32), [&]() -> std::shared_ptr<const Entry> {
     auto entry = std::make_shared<Entry>();
+    entry->rows = m;
+    entry->k = k;
+    entry->n = n;
     entry->src = dnnl::memory::desc({m, k}, WeightType(f32), tag::ab);
     entry->weights = PackedDesc(k, n, f32);
     entry->dst = dnnl::memory::desc({m, n}, dt::f32, tag::ab);
@@ -232,7 +270,7 @@ std::shared_ptr<const Entry> Primitive(int64_t m, int64_t k, int64_t n, bool f32
 #ifdef JAXSERVE_HAVE_AMX
     entry->tiles = !f32 && m <= kTileRows && k % 32 == 0 && jaxserve::AmxUsable() &&
                    entry->weights == dnnl::memory::desc({k, n}, dt::bf16, tag::BA16a64b2a) &&
-                   TileMatchesOneDnn(*entry, m, k, n);
+                   TileMatchesOneDnn(*entry);
 #endif
     return entry;
   });
@@ -245,9 +283,7 @@ thread_local std::string last_error;
 void Execute(const Entry& e, const void* x, const uint8_t* weights, float* dst) {
 #ifdef JAXSERVE_HAVE_AMX
   if (e.tiles) {
-    const auto dims = e.src.get_dims();
-    TileMatmul(static_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(weights), dst, dims[0], dims[1],
-               e.dst.get_dims()[1]);
+    TileMatmul(static_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(weights), dst, e.rows, e.k, e.n);
     return;
   }
 #endif
@@ -266,25 +302,14 @@ void Execute(const Entry& e, const void* x, const uint8_t* weights, float* dst) 
 }
 
 #ifdef JAXSERVE_HAVE_AMX
-bool TileMatchesOneDnn(const Entry& e, int64_t m, int64_t k, int64_t n) {
-  std::vector<uint16_t> x(m * k), w(k * n);
-  uint32_t state = 12345;  // any values with mixed signs and exponents
-  auto next = [&state]() {
-    state = state * 1664525u + 1013904223u;
-    return jaxserve::Bf16Bits((static_cast<float>(state >> 8) / 16777216.0f - 0.5f) * 4.0f);
-  };
-  for (auto& v : x) v = next();
-  for (auto& v : w) v = next();
-  std::vector<uint8_t> packed(e.weights.get_size());
-  dnnl::stream stream(Engine());
-  dnnl::memory plain({{k, n}, dt::bf16, tag::ab}, Engine(), w.data()), to(e.weights, Engine(), packed.data());
-  dnnl::reorder(plain, to).execute(stream, plain, to);
-  stream.wait();
-  std::vector<float> theirs(m * n), ours(m * n);
+bool TileMatchesOneDnn(const Entry& e) {
+  const Operands ops = RandomOperands(e.rows, e.k, e.n, false);
+  std::vector<float> theirs(e.rows * e.n), ours(e.rows * e.n);
   Entry onednn = e;
   onednn.tiles = false;
-  Execute(onednn, x.data(), packed.data(), theirs.data());
-  TileMatmul(x.data(), reinterpret_cast<const uint16_t*>(packed.data()), ours.data(), m, k, n);
+  Execute(onednn, ops.x.data(), ops.packed.data(), theirs.data());
+  TileMatmul(reinterpret_cast<const uint16_t*>(ops.x.data()), reinterpret_cast<const uint16_t*>(ops.packed.data()),
+             ours.data(), e.rows, e.k, e.n);
   return std::memcmp(theirs.data(), ours.data(), theirs.size() * sizeof(float)) == 0;
 }
 #endif
@@ -357,33 +382,12 @@ bool PartsAgree(int64_t rows, int64_t k, int64_t n, int64_t part, bool f32, cons
     const int64_t item = f32 ? 4 : 2;
     bool agree = k * n * item <= (int64_t{32} << 20) && rows * n * 4 <= (int64_t{64} << 20);
     if (agree) {
-      // Values of either dtype: float32 with bits below bfloat16's cleared.
-      uint32_t state = 12345;
-      auto fill = [&](std::vector<uint8_t>& out, int64_t count) {
-        out.resize(count * item);
-        for (int64_t i = 0; i < count; ++i) {
-          state = state * 1664525u + 1013904223u;
-          const float v = static_cast<float>(static_cast<int32_t>(state >> 8) - (1 << 23)) / (1 << 23);
-          uint32_t bits;
-          std::memcpy(&bits, &v, sizeof bits);
-          bits &= 0xffff0000u;
-          if (f32) {
-            std::memcpy(&out[i * 4], &bits, 4);
-          } else {
-            const uint16_t top = static_cast<uint16_t>(bits >> 16);
-            std::memcpy(&out[i * 2], &top, 2);
-          }
-        }
-      };
-      std::vector<uint8_t> x, plain, packed(PackedDesc(k, n, f32).get_size());
-      fill(x, rows * k);
-      fill(plain, k * n);
-      Pack(plain.data(), k, n, 1, f32, packed.data());
+      const Operands ops = RandomOperands(rows, k, n, f32);
       std::vector<float> whole(rows * n), piece(rows * part);
-      Execute(*Primitive(rows, k, n, f32), x.data(), packed.data(), whole.data());
+      Execute(*Primitive(rows, k, n, f32), ops.x.data(), ops.packed.data(), whole.data());
       const auto narrow = Primitive(rows, k, part, f32);
       for (int64_t c = 0; agree && c < n; c += part) {
-        Execute(*narrow, x.data(), columns.At(packed.data(), c), piece.data());
+        Execute(*narrow, ops.x.data(), columns.At(ops.packed.data(), c), piece.data());
         for (int64_t r = 0; agree && r < rows; ++r) {
           agree = std::memcmp(&whole[r * n + c], &piece[r * part], part * sizeof(float)) == 0;
         }
@@ -642,9 +646,8 @@ ffi::Error AddRmsNorm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   float* xo = x_out->typed_data();
   constexpr int64_t kRowsPerItem = 16;
   jaxserve::RunOnPool(pool, static_cast<int>((m + kRowsPerItem - 1) / kRowsPerItem), [&](int item) {
-    thread_local std::vector<float> row, normed;
+    thread_local std::vector<float> row;
     row.resize(e);
-    normed.resize(e);
     for (int64_t r = item * kRowsPerItem; r < std::min(m, (item + 1) * kRowsPerItem); ++r) {
       const float* v = xs + r * e;
       if (add) {

@@ -220,6 +220,12 @@ struct Tile {
   int32_t seq, kv_head, first_token, num_tokens;  // tokens relative to the sequence's first
 };
 
+// The cache row (of head_dim values; a scale's index) of slot `slot` of page `page` in a
+// K (plane < Hkv) or V plane of the problem's layer.
+inline int64_t CacheRow(const Problem& pb, int64_t plane, int64_t page, int64_t slot) {
+  return ((plane * pb.num_layers + pb.layer) * pb.num_pages + page) * pb.page_size + slot;
+}
+
 // Calls run(row, position, count) for positions [from, to) of sequence seq's K (plane <
 // Hkv) or V plane, a page at a time: row is the cache row (of head_dim values; a scale's
 // index) of `position`, and the page's next count - 1 rows follow it. Reading the page
@@ -231,7 +237,7 @@ JAXSERVE_PREFETCHER void PageRuns(const Problem& pb, int32_t seq, int64_t plane,
     const int32_t in_page = static_cast<int32_t>(position % pb.page_size);
     const int32_t n = std::min<int32_t>(to - position, static_cast<int32_t>(pb.page_size) - in_page);
     const int64_t page = pb.page_table[seq * pb.pages_per_seq + position / pb.page_size];
-    run(((plane * pb.num_layers + pb.layer) * pb.num_pages + page) * pb.page_size + in_page, position, n);
+    run(CacheRow(pb, plane, page, in_page), position, n);
     position += n;
   }
 }
@@ -755,11 +761,9 @@ class AmxTileRunner {
         }
         const uint16_t* k0 = PageRow(t.seq, t.kv_head, base + g * 16);
         const uint16_t* k1 = n == 2 ? PageRow(t.seq, t.kv_head, base + (g + 1) * 16) : nullptr;
+        _tile_zero(0);
+        if (n == 2) _tile_zero(1);
         for (int64_t c = 0; c < chunks; ++c) {
-          if (c == 0) {
-            _tile_zero(0);
-            if (n == 2) _tile_zero(1);
-          }
           _tile_loadd(6, k0 + c * 32, D * 2);
           if (n == 2) _tile_loadd(7, k1 + c * 32, D * 2);
           if (c == 0) {
@@ -928,8 +932,7 @@ class AmxTileRunner {
   const uint16_t* PageRow(int32_t seq, int64_t plane, int32_t position) const {
     const Problem& pb = pb_;
     const int64_t page = pb.page_table[seq * pb.pages_per_seq + position / pb.page_size];
-    const int64_t row = ((plane * pb.num_layers + pb.layer) * pb.num_pages + page) * pb.page_size;
-    return static_cast<const uint16_t*>(pb.kv) + (row + position % pb.page_size) * pb.head_dim;
+    return Kv() + CacheRow(pb, plane, page, position % pb.page_size) * pb.head_dim;
   }
 
   static constexpr int kAhead = 4;  // groups of 16 positions fetched ahead of the one read
@@ -1094,7 +1097,7 @@ void WriteKv(ffi::ThreadPool& pool, const Problem& pb, void* cache, bool bf16, c
       const int64_t page = slots[t] / pb.page_size, slot = slots[t] % pb.page_size;
       for (int64_t plane = 0; plane < 2 * hkv; ++plane) {  // k's heads, then v's
         const float* row = ProductRow(pb, t, k_col + plane * D, plane < hkv, buf.data());
-        const int64_t at = (((plane * pb.num_layers + pb.layer) * pb.num_pages + page) * pb.page_size + slot) * D;
+        const int64_t at = CacheRow(pb, plane, page, slot) * D;
         if (bf16) {
           uint16_t* dst = static_cast<uint16_t*>(cache) + at;
           for (int64_t d = 0; d < D; ++d) dst[d] = jaxserve::Bf16Bits(row[d]);
