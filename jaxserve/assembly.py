@@ -85,8 +85,9 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
     distributed = DistributedConfig.from_option(cfg.distributed)
     if distributed is not None:  # before anything else touches JAX
         initialize(distributed)
+    program_dir = None
     if cfg.compile_cache:  # before the first compile
-        compile_cache.enable(cfg.cache_dir)
+        program_dir = compile_cache.use(cfg.cache_dir)
     else:
         compile_cache.disable()
     ckpt = open_checkpoint(resolve_model(cfg.model, cfg.cache_dir), cfg.cache_dir or default_cache_dir())
@@ -111,5 +112,7 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
         lpm_aging_steps=cfg.lpm_aging_steps,
         min_token_bucket=plan.runner.min_token_bucket,
     )
-    engine = Engine(ModelRunner(model, plan.runner), scheduler, tokenizer, eos, overlap=cfg.overlap_scheduling)
+    engine = Engine(
+        ModelRunner(model, plan.runner, program_dir), scheduler, tokenizer, eos, overlap=cfg.overlap_scheduling
+    )
     return EngineHandle(cfg, plan, mcfg, tokenizer, engine, quant)

@@ -1,4 +1,5 @@
-"""Compile once per machine: a second process loads every step program from the cache."""
+"""Compile once per machine: a second process loads every step program from the cache,
+without tracing or lowering it (the program store, ``jaxserve/runner/programs.py``)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,28 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from jaxserve import compile_cache
+from jaxserve.runner import compile_counter, programs
 
 # A fresh process (JAX keeps compiled programs in memory too): build and warm up an LLM
 # over the cache folder given, generate once, report the counts and the tokens.
 START = """
 import json, sys
+import jax
 from jaxserve import LLM, SamplingParams
+lowered = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, *a, **k: lowered.append(1) if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" else None)
 llm = LLM(sys.argv[1], cache_dir=sys.argv[2], progress=False, dtype="float32", num_pages=32,
           max_num_seqs=4, max_num_batched_tokens=32)
 warm = llm.stats()
 out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
 after = llm.stats()
-print(json.dumps({"compiles": warm["num_compiles"], "loaded": warm["num_compiles_loaded"],
+print(json.dumps({"compiles": warm["num_compiles"], "loaded": warm["num_compiles_loaded"], "lowered": len(lowered),
                   "after_warmup": after["num_compiles"] - warm["num_compiles"], "tokens": out.token_ids}))
 """
 
@@ -40,9 +50,11 @@ def test_a_second_start_loads_every_program_instead_of_compiling(tiny_model_dir,
     assert first["after_warmup"] == 0  # warmed up at construction: generate compiles nothing
     second = _start(path, str(tmp_path))
     assert second["loaded"] == second["compiles"] >= first["compiles"]  # nothing compiled
+    assert first["lowered"] >= first["compiles"] and second["lowered"] == 0  # nor traced and lowered
     assert second["after_warmup"] == 0
     assert second["tokens"] == first["tokens"]
     assert len(list((tmp_path / "xla").iterdir())) == 1  # one folder: this machine
+    assert len(list((tmp_path / "xla").glob("*/programs/*.bin"))) == first["compiles"]
 
 
 def test_the_folder_depends_on_the_host_cpu(monkeypatch):
@@ -53,3 +65,72 @@ def test_the_folder_depends_on_the_host_cpu(monkeypatch):
     monkeypatch.setattr(compile_cache, "cpu_info", lambda: {"model name": "other", "flags": "avx2"})
     elsewhere = compile_cache.machine_key([Device()])
     assert here.startswith("cpu-") and elsewhere.startswith("cpu-") and here != elsewhere
+
+
+def _f(x, y):
+    return x * 2 + y, x.sum()
+
+
+ARGS = (jnp.arange(8.0), np.ones(8, np.float32))
+
+
+def test_the_store_loads_a_program_only_under_the_key_it_was_compiled_for(tmp_path):
+    f = jax.jit(_f)
+    first = programs.ProgramStore(tmp_path, b"runner a")
+    compiled = first.compiled("f", f, ARGS)
+    assert first.loaded == 0 and len(list(tmp_path.glob("*.bin"))) == 1
+    again = programs.ProgramStore(tmp_path, b"runner a")
+    loaded = again.compiled("f", f, ARGS)
+    assert again.loaded == 1
+    for a, b in zip(loaded(*ARGS), compiled(*ARGS), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Another runner, program name or argument type: each a program of its own.
+    for context, name, args in (
+        (b"runner b", "f", ARGS),
+        (b"runner a", "g", ARGS),
+        (b"runner a", "f", (jnp.arange(8), np.ones(8, np.int32))),
+    ):
+        store = programs.ProgramStore(tmp_path, context)
+        store.compiled(name, f, args)
+        assert store.loaded == 0
+    assert len(list(tmp_path.glob("*.bin"))) == 4
+
+
+def test_a_change_of_source_or_environment_is_another_key(tmp_path, monkeypatch):
+    f = jax.jit(_f)
+    programs.ProgramStore(tmp_path, b"r").compiled("f", f, ARGS)
+    try:
+        for change in (
+            lambda: monkeypatch.setattr(programs, "_source_digest", lambda: "edited"),
+            lambda: monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false"),
+        ):
+            monkeypatch.undo()
+            change()
+            programs.process_material.cache_clear()
+            store = programs.ProgramStore(tmp_path, b"r")
+            store.compiled("f", f, ARGS)
+            assert store.loaded == 0
+    finally:
+        monkeypatch.undo()
+        programs.process_material.cache_clear()
+
+
+def test_a_broken_file_is_compiled_again(tmp_path):
+    f = jax.jit(_f)
+    programs.ProgramStore(tmp_path, b"r").compiled("f", f, ARGS)
+    (path,) = tmp_path.glob("*.bin")
+    path.write_bytes(path.read_bytes()[:100])  # a write cut short
+    store = programs.ProgramStore(tmp_path, b"r")
+    out, total = store.compiled("f", f, ARGS)(*ARGS)
+    assert store.loaded == 0 and float(total) == 28.0
+    assert programs.ProgramStore(tmp_path, b"r").compiled("f", f, ARGS) is not None
+    assert len(path.read_bytes()) > 100  # written again, whole
+
+
+def test_a_program_that_jax_loaded_from_its_own_cache_is_not_kept(tmp_path, monkeypatch):
+    # XLA:CPU serializes a loaded executable without its kernels (programs.py): only a
+    # program XLA has just compiled may be written.
+    loads = iter(range(100))
+    monkeypatch.setattr(compile_counter, "num_cache_loads", lambda: next(loads))
+    programs.ProgramStore(tmp_path, b"r").compiled("f", jax.jit(_f), ARGS)
+    assert not list(tmp_path.glob("*.bin"))

@@ -159,13 +159,15 @@ def test_a_failed_warmup_ends_waiting_offline_calls(tiny_model_dir):
 def test_an_offline_step_that_fails_after_donation_leaves_a_working_engine(llm, monkeypatch):
     prompt = rng_tokens(30, 320, seed=11)
     expected = llm.generate([prompt], GREEDY)[0].token_ids
-    real = llm.runner._forward
+    real = llm.runner._call  # runs a compiled program by its key
 
-    def fails_after_donation(*args):
-        real(*args)  # the cache is donated, then the step fails
-        raise RuntimeError("simulated device failure after donation")
+    def fails_after_donation(key, *args):
+        out = real(key, *args)  # the cache is donated, then the step fails
+        if key[0] == "forward":
+            raise RuntimeError("simulated device failure after donation")
+        return out
 
-    monkeypatch.setattr(llm.runner, "_forward", fails_after_donation)
+    monkeypatch.setattr(llm.runner, "_call", fails_after_donation)
     with pytest.raises(RuntimeError, match="after donation"):
         llm.generate([prompt], GREEDY)
     monkeypatch.undo()

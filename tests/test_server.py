@@ -323,21 +323,21 @@ def test_a_step_that_fails_after_donation_recreates_the_kv_cache(tiny_model_dir,
         with Client(addr) as c:
             expected = list(c.generate(prompt, max_tokens=6, **GREEDY).token_ids)
         statuses = []
-        real_set, real_forward = server.health.set, llm.runner._forward
+        real_set, real_call = server.health.set, llm.runner._call  # runs a compiled program by its key
 
         async def record(service, status):
             if service == "":
                 statuses.append(status)
             await real_set(service, status)
 
-        def fails_once_after_donation(*args):
-            out = real_forward(*args)  # the cache is donated to this call...
-            if not statuses:
+        def fails_once_after_donation(key, *args):
+            out = real_call(key, *args)  # the cache is donated to the forward...
+            if key[0] == "forward" and not statuses:
                 raise RuntimeError("simulated device failure after donation")  # ...and lost
             return out
 
         monkeypatch.setattr(server.health, "set", record)
-        monkeypatch.setattr(llm.runner, "_forward", fails_once_after_donation)
+        monkeypatch.setattr(llm.runner, "_call", fails_once_after_donation)
         with Client(addr) as c:
             with pytest.raises(grpc.RpcError) as err:
                 c.generate(prompt, max_tokens=6, **GREEDY, timeout=60)

@@ -1,9 +1,9 @@
 """Counts XLA backend compiles through ``jax.monitoring`` (no patching of JAX internals).
 
 Each program the step needs and does not have yet counts once, whether XLA compiles it
-or loads it from the persistent compilation cache (``jaxserve.compile_cache``): either
-way a step waited for it, so "no compiles after warm-up" counts both. Loads are also
-counted on their own.
+or it is loaded from a cache (JAX's persistent cache, or jaxserve's program store, which
+reports its loads with :func:`record_load`): either way a step waited for it, so "no
+compiles after warm-up" counts both. Loads are also counted on their own.
 """
 
 from __future__ import annotations
@@ -34,6 +34,14 @@ def install() -> None:
             _installed = True
 
 
+def record_load() -> None:
+    """A program loaded from jaxserve's program store (``runner/programs.py``)."""
+    install()
+    with _lock:
+        _counts[_REQUEST] += 1
+        _counts[_CACHE_HIT] += 1
+
+
 def num_compiles() -> int:
     """Programs compiled or loaded from the cache in this process since :func:`install`."""
     install()
@@ -41,6 +49,6 @@ def num_compiles() -> int:
 
 
 def num_cache_loads() -> int:
-    """Of those, the ones loaded from the persistent compilation cache (not compiled)."""
+    """Of those, the ones loaded from a cache (not compiled)."""
     install()
     return _counts[_CACHE_HIT]

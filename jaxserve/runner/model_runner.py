@@ -19,7 +19,10 @@ waits for them.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import time
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +36,7 @@ from jaxserve.parallel import kv_cache_sharding, replicated
 from jaxserve.parallel.multihost import COPY_PAGES, STEP, STOP, StepChannel, to_host
 from jaxserve.runner import compile_counter
 from jaxserve.runner.batch import MIN_TOKEN_BUCKET, PackedBatch, ScheduledSeq, make_buckets, pack, pick_bucket
+from jaxserve.runner.programs import ProgramStore
 from jaxserve.runner.sampler import (
     MAX_BLOCKED,
     MAX_LOGIT_BIAS,
@@ -256,18 +260,27 @@ def copy_pages(kv_cache, src, dst):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cfg: RunnerConfig):
+    def __init__(self, model: LlamaForCausalLM, cfg: RunnerConfig, program_dir: str | Path | None = None):
+        """``program_dir``: keep the compiled programs there (``programs.ProgramStore``), so
+        a later process loads them without tracing; None: compile them in this process."""
         compile_counter.install()
         self.cfg = cfg
         mcfg = model.cfg
         self.vocab_size = mcfg.vocab_size
         self.graphdef, self.state = nnx.split(model)
+        mesh = cfg.attention_backend.mesh
+        self.store = None
+        if program_dir is not None:
+            order = [d.id for d in mesh.devices.flat] if mesh is not None else None
+            self.store = ProgramStore(program_dir, pickle.dumps(self.graphdef) + repr((cfg, order)).encode())
+        # (name, bucket, ...) -> its compiled program; a step calls these, not the jitted
+        # functions, so a program loaded from the store is used as it is (never traced).
+        self._programs: dict[tuple, Any] = {}
         # The activation dtype (weights may be narrower), unless kv_cache_dtype says otherwise.
         kv_dtype = cfg.kv_cache_dtype or model.norm[...].dtype
         shape = cfg.attention_backend.kv_cache_shape(
             mcfg.num_layers, cfg.num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim
         )
-        mesh = cfg.attention_backend.mesh
         # A mesh spanning other processes' devices: they must replay every step (multihost.py).
         spans_processes = mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat)
         self.channel = StepChannel() if spans_processes else None
@@ -281,7 +294,7 @@ class ModelRunner:
             self._new_kv_cache = jax.jit(
                 lambda: backend.new_kv_cache(shape, kv_dtype), out_shardings=kv_cache_sharding(mesh)
             )
-        self.kv_cache = self._new_kv_cache()
+        self.kv_cache = self._call(("kv_cache",), self._new_kv_cache)
         self.token_buckets, self.seq_buckets = cfg.buckets
         self._forward = jax.jit(make_forward(self.graphdef, cfg.attention_backend), donate_argnums=(1,))
         self._scored_forward = jax.jit(make_scored_forward(self.graphdef, cfg.attention_backend), donate_argnums=(1,))
@@ -309,7 +322,7 @@ class ModelRunner:
             if self.channel is not None:
                 self.channel.announce(COPY_PAGES, width)
                 src, dst = self.channel.share((src, dst))
-            self.kv_cache = self._copy_pages(self.kv_cache, src, dst)
+            self.kv_cache = self._call(("copy_pages",), self._copy_pages, self.kv_cache, src, dst)
 
     def dispatch(
         self, seqs: list[ScheduledSeq], sampling: list[SeqSampling], targets: list[list[int]] | None = None
@@ -382,24 +395,40 @@ class ModelRunner:
         for x in jax.tree.leaves(self.kv_cache):
             if not x.is_deleted():
                 x.delete()
-        self.kv_cache = self._new_kv_cache()
+        self.kv_cache = self._call(("kv_cache",), self._new_kv_cache)
         self._feed_tokens = self._no_feed  # the failed step's samples may never come
 
     def _step(self, md, feed_rows, smd, pmd, allowed=None, targets=None) -> tuple[SamplerOutput, tuple | None]:
         """One step on the device: (the sampler's output, and with ``targets`` the rows'
         scores from the scoring forward, else None)."""
+        t, s = md.input_ids.shape[0], md.kv_lens.shape[0]  # the buckets
         feed = self._feed_tokens
+        args = (self.state, self.kv_cache, md, feed_rows, feed)
         scored = None
         if targets is None:
-            self.kv_cache, logits = self._forward(self.state, self.kv_cache, md, feed_rows, feed)
+            self.kv_cache, logits = self._call(("forward", t, s), self._forward, *args)
         else:
-            self.kv_cache, logits, scored = self._scored_forward(
-                self.state, self.kv_cache, md, feed_rows, feed, targets
-            )
+            self.kv_cache, logits, scored = self._call(("scored_forward", t, s), self._scored_forward, *args, targets)
         if allowed is None:  # nothing constrained: the all-ones mask already on the device
-            allowed = self._all_allowed(smd.temperature.shape[0])
-        out, self._feed_tokens = self._sample(logits, smd, pmd, feed, allowed)  # pmd None: no penalties
+            allowed = self._all_allowed(s)
+        args = (logits, smd, pmd, feed, allowed)  # pmd None: no penalties
+        out, self._feed_tokens = self._call(("sample", s, pmd is not None), self._sample, *args)
         return out, scored
+
+    def _call(self, key: tuple, fn, *args) -> Any:
+        return self._program(key, fn, *args)(*args)
+
+    def _program(self, key: tuple, fn, *args) -> Any:
+        """The compiled program ``key`` names (a bucket determines its arguments' shapes):
+        made on first use from ``fn`` (jitted) and ``args``, from the store where there is one."""
+        program = self._programs.get(key)
+        if program is None:
+            if self.store is not None:
+                program = self.store.compiled("/".join(map(str, key)), fn, args)
+            else:
+                program = fn.lower(*args).compile()
+            self._programs[key] = program
+        return program
 
     def _all_allowed(self, s: int) -> jax.Array:
         """Sequence bucket ``s``'s all-ones token bitmask, on the device (made once)."""
@@ -424,7 +453,7 @@ class ModelRunner:
                 self._step(*self.channel.share(inputs))
             elif op == COPY_PAGES:
                 src, dst = self.channel.share((np.zeros(a, np.int32), np.zeros(a, np.int32)))
-                self.kv_cache = self._copy_pages(self.kv_cache, src, dst)
+                self.kv_cache = self._call(("copy_pages",), self._copy_pages, self.kv_cache, src, dst)
             else:
                 raise RuntimeError(f"unknown operation {op} from process 0")
 
@@ -450,9 +479,9 @@ class ModelRunner:
         self.execute(bucket_seqs(self.cfg, t, s), greedy(s))
 
     def compile_ahead(self, progress: bool = True) -> None:
-        """Compiles (or loads from the compile cache) the model for every (token bucket,
+        """Compiles (or loads from the program store) the model for every (token bucket,
         sequence bucket) pair, both samplers for every sequence bucket and the page copy,
-        without running them: the jitted calls then find them (no compile after warm-up).
+        without running them: the steps then find them (no compile after warm-up).
         Local to this process: multi-host followers call it too, before ``follow``."""
         pairs = self.cfg.bucket_pairs
         seq_buckets = sorted({s for _, s in pairs})
@@ -461,7 +490,8 @@ class ModelRunner:
         logits = {}  # sequence bucket -> logits placed as the sampler receives them
         for t, s in pairs:
             _, (md, feed_rows, *_) = step_inputs(self.cfg, bucket_seqs(self.cfg, t, s), greedy(s))
-            out = self._forward.lower(self.state, self.kv_cache, md, feed_rows, self._no_feed).compile().out_info[1]
+            args = (self.state, self.kv_cache, md, feed_rows, self._no_feed)
+            out = self._program(("forward", t, s), self._forward, *args).out_info[1]
             # An array placed as the model's output will be: jit keys a call by its arguments'
             # placement, committed to devices (under a mesh) or not (one device).
             zeros = np.zeros(out.shape, out.dtype)
@@ -470,10 +500,12 @@ class ModelRunner:
         for s in seq_buckets:
             for penalties in (False, True):
                 _, (_, _, smd, pmd, _) = step_inputs(self.cfg, bucket_seqs(self.cfg, s, s), greedy(s, penalties))
-                self._sample.lower(logits[s], smd, pmd, self._no_feed, self._all_allowed(s)).compile()
+                self._program(
+                    ("sample", s, penalties), self._sample, logits[s], smd, pmd, self._no_feed, self._all_allowed(s)
+                )
                 bar.update()
         pages = np.zeros(self.cfg.max_num_seqs, np.int32)
-        self._copy_pages.lower(self.kv_cache, pages, pages).compile()
+        self._program(("copy_pages",), self._copy_pages, self.kv_cache, pages, pages)
         bar.update()
         bar.close()
 

@@ -1,0 +1,168 @@
+"""Step programs kept on disk and loaded without tracing: what a second start warms up from.
+
+JAX's persistent compilation cache keys an executable by its lowered program, so a start
+that uses it still traces and lowers every bucket and skips only XLA's compile: ~1.1 of
+the ~1.5 s a SmolLM2 warm-up took on 2 cores (23 programs). This store keys an executable
+by what produced it instead, and a start that finds it neither traces nor lowers:
+
+- the process: jaxserve's and its kernels' source files, the versions of JAX, jaxlib, Flax
+  and numpy, the backend, its version and devices, JAX's settings, and the environment
+  variables that steer XLA, JAX, libtpu or jaxserve (:func:`process_material`);
+- the runner: the model's structure with its static fields (nnx's GraphDef, which holds
+  the model config and dtypes), the runner config and the mesh's device order;
+- the call: the program's name and its arguments' tree, types and placements.
+
+A change to any of them is another key, so an executable built from other code, another
+model or other flags is never loaded; a change that does not alter the program (an edited
+server module) costs one cold start. The folder is per machine (``compile_cache``), as
+XLA:CPU builds code for the host's instruction set.
+
+An executable is written only right after XLA compiled it. XLA:CPU (jaxlib 0.10) serializes
+an executable it *loaded* without its kernels, and the copy then fails to run ("Function
+... not found"), so this store cannot sit on top of JAX's cache: where it is in use, JAX's
+cache is off (``compile_cache.use_program_store``), and a compile that JAX reports as a
+cache hit anyway is not written.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import flax
+import jax
+import jaxlib
+import numpy as np
+from jax.experimental import serialize_executable
+
+from jaxserve.runner import compile_counter
+from pallas_kernels import cpu_build
+
+FORMAT = 1  # of the files; part of every key
+_ENV_PREFIXES = ("XLA_", "JAX_", "JAXSERVE_", "LIBTPU", "TPU_")
+_SOURCE_SUFFIXES = (".py", ".cc", ".h", ".c", ".cpp")
+
+
+def _source_digest() -> str:
+    """sha256 over every source file of jaxserve and pallas_kernels (path and bytes)."""
+    import jaxserve
+    import pallas_kernels
+
+    h = hashlib.sha256()
+    for package in (jaxserve, pallas_kernels):
+        root = Path(package.__file__).parent
+        for path in sorted(p for p in root.rglob("*") if p.suffix in _SOURCE_SUFFIXES and p.is_file()):
+            h.update(f"{package.__name__}/{path.relative_to(root).as_posix()}\0".encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@functools.cache
+def process_material() -> bytes:
+    """What every program of this process shares in its key (computed once: ~10 ms)."""
+    devices = jax.devices()
+    settings = {
+        k: repr(v)
+        for k, v in jax.config.values.items()
+        if "compilation_cache" not in k and "persistent_cache" not in k  # where, not what
+    }
+    parts = {
+        "format": FORMAT,
+        "versions": (jax.__version__, jaxlib.__version__, flax.__version__, np.__version__),
+        "backend": (devices[0].platform, devices[0].client.platform_version, jax.process_count()),
+        "devices": [(d.id, d.device_kind, d.process_index) for d in devices],
+        "settings": sorted(settings.items()),
+        "env": sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)),
+        "source": _source_digest(),
+    }
+    return repr(parts).encode()
+
+
+def _signature(args: tuple) -> bytes:
+    """The arguments' tree, and per leaf its type and placement: what the program was
+    compiled for (a call with other shapes or placements is another program)."""
+    leaves, tree = jax.tree_util.tree_flatten((args, {}))
+    described = []
+    for x in leaves:
+        sharding = repr(x.sharding) if isinstance(x, jax.Array) else None
+        described.append((str(jax.typeof(x)), sharding))
+    return pickle.dumps(tree) + repr(described).encode()
+
+
+class ProgramStore:
+    """Executables in ``directory``, one file each, named by the hash of their key.
+
+    ``context``: what the runner adds to every key (see the module docstring)."""
+
+    def __init__(self, directory: str | Path, context: bytes):
+        self.directory = Path(directory)
+        self._context = hashlib.sha256(process_material() + b"\0" + context).digest()
+        self.loaded = 0  # programs this store loaded (the rest it compiled)
+
+    def _path(self, name: str, args: tuple) -> Path:
+        key = hashlib.sha256(self._context + name.encode() + b"\0" + _signature(args)).hexdigest()
+        return self.directory / f"{key}.bin"
+
+    def compiled(self, name: str, fn, args: tuple) -> jax.stages.Compiled:
+        """``fn``'s program for ``args`` (a ``jax.jit`` function): loaded from the store if
+        it holds one, else lowered, compiled and written to it."""
+        path = self._path(name, args)
+        loaded = self._load(path, args)
+        if loaded is not None:
+            self.loaded += 1
+            compile_counter.record_load()  # a program a step waited for, as JAX counts its loads
+            return loaded
+        hits = compile_counter.num_cache_loads()
+        compiled = fn.lower(*args).compile()
+        if compile_counter.num_cache_loads() == hits:  # XLA compiled it just now (see above)
+            self._write(path, compiled)
+        return compiled
+
+    def _load(self, path: Path, args: tuple) -> Any:
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            return None
+        try:
+            if jax.devices()[0].platform == "cpu":
+                # Loading resolves the kernels' FFI targets, which tracing would have registered.
+                cpu_build.kernels()  # built and registered once per process (cached)
+            record = pickle.loads(blob)
+            by_id = {d.id: d for d in jax.devices()}
+            devices = [by_id[i] for i in record["devices"]]
+            in_tree = jax.tree_util.tree_structure((args, {}))
+            return serialize_executable.deserialize_and_load(
+                record["payload"], in_tree, record["out_tree"], execution_devices=devices
+            )
+        except Exception:  # truncated, from a jaxlib that wrote it otherwise: compile again
+            path.unlink(missing_ok=True)
+            return None
+
+    def _write(self, path: Path, compiled) -> None:
+        unloaded = getattr(compiled._executable, "_unloaded_executable", None)
+        if unloaded is None:
+            return  # this backend's executables do not serialize: nothing to keep
+        try:
+            payload, _, out_tree = serialize_executable.serialize(compiled)
+            record = {"payload": payload, "out_tree": out_tree, "devices": [d.id for d in unloaded.device_list]}
+            blob = pickle.dumps(record)
+        except Exception:  # e.g. a program with host callbacks: it stays in memory only
+            return
+        tmp = None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)  # whole or not at all; a concurrent writer's copy is the same
+            tmp = None
+        except OSError:
+            pass  # an unwritable cache only costs the next start its time
+        finally:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
