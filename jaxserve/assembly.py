@@ -85,9 +85,10 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
     distributed = DistributedConfig.from_option(cfg.distributed)
     if distributed is not None:  # before anything else touches JAX
         initialize(distributed)
-    program_dir = None
+    program_dir = weight_dir = None
     if cfg.compile_cache:  # before the first compile
         program_dir = compile_cache.use(cfg.cache_dir)
+        weight_dir = compile_cache.folder(cfg.cache_dir) / "weights"
     else:
         compile_cache.disable()
     ckpt = open_checkpoint(resolve_model(cfg.model, cfg.cache_dir), cfg.cache_dir or default_cache_dir())
@@ -100,7 +101,14 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
     check_memory(plan, weights, device_free_bytes(jax.local_devices()[0]))
     kv = KVManager(plan.num_pages, cfg.page_size, cfg.enable_prefix_caching, cfg.prefix_match)
     model = load_model(
-        ckpt, plan.dtype, progress=progress, mesh=plan.mesh, weight_dtype=plan.weight_dtype, packed=packed, quant=quant
+        ckpt,
+        plan.dtype,
+        progress=progress,
+        mesh=plan.mesh,
+        weight_dtype=plan.weight_dtype,
+        packed=packed,
+        quant=quant,
+        cache=weight_dir,
     )
     eos = set(mcfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     scheduler = Scheduler(

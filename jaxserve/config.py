@@ -205,8 +205,9 @@ class EngineConfig:
     cache_dir: str | None = option(None, "Model cache (null: $XDG_CACHE_HOME/jaxserve).")
     compile_cache: bool = option(
         True,
-        "Keep compiled step programs in cache_dir/xla (one folder per machine), so a later start loads them "
-        "instead of compiling every bucket again.",
+        "Keep compiled step programs (and weights packed for the CPU's kernels) in cache_dir/xla (one folder "
+        "per machine), so a later start loads them instead of tracing and compiling every bucket and "
+        "converting the weights again.",
     )
 
     def __post_init__(self) -> None:

@@ -13,23 +13,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import compile_cache
+from jaxserve.models import weight_cache
 from jaxserve.runner import compile_counter, programs
 
 # A fresh process (JAX keeps compiled programs in memory too): build and warm up an LLM
-# over the cache folder given, generate once, report the counts and the tokens.
+# over the cache folder given, generate once, report the counts (programs compiled, loaded
+# and lowered; checkpoint tensors read) and the tokens.
 START = """
 import json, sys
 import jax
 from jaxserve import LLM, SamplingParams
-lowered = []
+from jaxserve.models import checkpoint
+lowered, reads = [], []
 jax.monitoring.register_event_duration_secs_listener(
     lambda event, *a, **k: lowered.append(1) if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" else None)
+real_read = checkpoint.HFCheckpoint.read
+checkpoint.HFCheckpoint.read = lambda self, name: reads.append(name) or real_read(self, name)
 llm = LLM(sys.argv[1], cache_dir=sys.argv[2], progress=False, dtype="float32", num_pages=32,
           max_num_seqs=4, max_num_batched_tokens=32)
 warm = llm.stats()
 out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
 after = llm.stats()
-print(json.dumps({"compiles": warm["num_compiles"], "loaded": warm["num_compiles_loaded"], "lowered": len(lowered),
+print(json.dumps({"compiles": warm["num_compiles"], "loaded": warm["num_compiles_loaded"], "lowered": len(lowered), "reads": len(reads),
                   "after_warmup": after["num_compiles"] - warm["num_compiles"], "tokens": out.token_ids}))
 """
 
@@ -51,10 +56,12 @@ def test_a_second_start_loads_every_program_instead_of_compiling(tiny_model_dir,
     second = _start(path, str(tmp_path))
     assert second["loaded"] == second["compiles"] >= first["compiles"]  # nothing compiled
     assert first["lowered"] >= first["compiles"] and second["lowered"] == 0  # nor traced and lowered
+    assert first["reads"] > 0 and second["reads"] == 0  # the packed weights came from the cache
     assert second["after_warmup"] == 0
     assert second["tokens"] == first["tokens"]
     assert len(list((tmp_path / "xla").iterdir())) == 1  # one folder: this machine
     assert len(list((tmp_path / "xla").glob("*/programs/*.bin"))) == first["compiles"]
+    assert len(list((tmp_path / "xla").glob("*/weights/*.bin"))) == 1
 
 
 def test_the_folder_depends_on_the_host_cpu(monkeypatch):
@@ -101,7 +108,7 @@ def test_a_change_of_source_or_environment_is_another_key(tmp_path, monkeypatch)
     programs.ProgramStore(tmp_path, b"r").compiled("f", f, ARGS)
     try:
         for change in (
-            lambda: monkeypatch.setattr(programs, "_source_digest", lambda: "edited"),
+            lambda: monkeypatch.setattr(programs.source, "digest", lambda: "edited"),
             lambda: monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false"),
         ):
             monkeypatch.undo()
@@ -134,3 +141,39 @@ def test_a_program_that_jax_loaded_from_its_own_cache_is_not_kept(tmp_path, monk
     monkeypatch.setattr(compile_counter, "num_cache_loads", lambda: next(loads))
     programs.ProgramStore(tmp_path, b"r").compiled("f", jax.jit(_f), ARGS)
     assert not list(tmp_path.glob("*.bin"))
+
+
+def test_kept_weights_come_back_bit_for_bit_and_only_under_their_key(tmp_path):
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    params = {
+        "embed": rng.standard_normal((7, 5)).astype(np.float32),
+        "layers": {
+            "q_proj": rng.integers(0, 255, (3, 101), dtype=np.uint8),  # packed bytes, odd length
+            "norm": rng.standard_normal((3, 9)).astype(ml_dtypes.bfloat16),
+        },
+        "lm_head": jnp.arange(12, dtype=jnp.int8).reshape(3, 4),
+    }
+    path = tmp_path / "w.bin"
+    weight_cache.save(path, "key 1", params)
+    back = weight_cache.load(path, "key 1")
+    for (names, want), (names_back, got) in zip(weight_cache._leaves(params), weight_cache._leaves(back), strict=True):
+        assert names == names_back and got.dtype == want.dtype and isinstance(got, jax.Array)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert weight_cache.load(path, "key 2") is None  # another version of the code or file
+    path.write_bytes(path.read_bytes()[:-100])  # a write cut short
+    assert weight_cache.load(path, "key 1") is None
+
+
+def test_a_checkpoint_keeps_one_file_per_load_options(tmp_path):
+    ckpt = tmp_path / "model.gguf"
+    ckpt.write_bytes(b"weights")
+    graphdef = ("a model",)
+    base, key = weight_cache.entry(tmp_path / "w", ckpt, ("float32",), graphdef)
+    other, _ = weight_cache.entry(tmp_path / "w", ckpt, ("bfloat16",), graphdef)
+    assert other != base
+    os.utime(ckpt, ns=(1, 1))  # the file changed: the same entry, another key
+    again, changed = weight_cache.entry(tmp_path / "w", ckpt, ("float32",), graphdef)
+    assert again == base and changed != key
+    assert weight_cache.entry(tmp_path / "w", ckpt, ("float32",), ("another model",))[1] != changed

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import math
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxserve.errors import ModelLoadError
+from jaxserve.models import weight_cache
 from jaxserve.models.checkpoint import Checkpoint
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import FUSED, INT8_BLOBS, LlamaForCausalLM, matmul_shapes
@@ -186,6 +188,7 @@ def load_model(
     weight_dtype: str | None = None,
     packed: bool = False,
     quant: Int8Weights | None = None,
+    cache: str | Path | None = None,
 ) -> LlamaForCausalLM:
     """Builds the model described by ``ckpt`` and loads its weights in ``dtype``.
 
@@ -197,6 +200,7 @@ def load_model(
     the LM head; the embedding table, norms and biases keep ``dtype``, the activation
     dtype. ``packed`` (one CPU device): the layers' kernels go in oneDNN's layout.
     ``quant`` (from :func:`int8_weights`): the layers' kernels go in as int8 and scales.
+    ``cache``: a folder where packed weights are kept for the next load (``weight_cache``).
 
     Raises:
         ModelLoadError: a bad checkpoint, dtype, or a model the mesh does not divide.
@@ -220,6 +224,13 @@ def load_model(
         return jax.device_put(w, param_sharding(mesh, name, w.shape))
 
     graphdef, state = nnx.split(abstract)
+    kept = None
+    if cache is not None and packed:  # only packed weights are kept (weight_cache says why)
+        kept = weight_cache.entry(Path(cache), ckpt.path, (dtype, weight_dtype, repr(quant)), graphdef)
+        params = weight_cache.load(*kept)
+        if params is not None:
+            nnx.replace_by_pure_dict(state, params)
+            return nnx.merge(graphdef, state)
     shapes = nnx.to_pure_dict(state)
     params: dict = {"layers": {}}
     names = set(ckpt.tensor_names())
@@ -283,6 +294,8 @@ def load_model(
             shape = tuple(shapes["layers"][ours].shape)
             params["layers"][ours] = jax.device_put(_stack_layers(packed_layer, shape, np.uint8, bar, len(names)))
     bar.close()
+    if kept is not None:
+        weight_cache.save(*kept, params)
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
 

@@ -40,26 +40,12 @@ import jaxlib
 import numpy as np
 from jax.experimental import serialize_executable
 
+from jaxserve import source
 from jaxserve.runner import compile_counter
 from pallas_kernels import cpu_build
 
 FORMAT = 1  # of the files; part of every key
 _ENV_PREFIXES = ("XLA_", "JAX_", "JAXSERVE_", "LIBTPU", "TPU_")
-_SOURCE_SUFFIXES = (".py", ".cc", ".h", ".c", ".cpp")
-
-
-def _source_digest() -> str:
-    """sha256 over every source file of jaxserve and pallas_kernels (path and bytes)."""
-    import jaxserve
-    import pallas_kernels
-
-    h = hashlib.sha256()
-    for package in (jaxserve, pallas_kernels):
-        root = Path(package.__file__).parent
-        for path in sorted(p for p in root.rglob("*") if p.suffix in _SOURCE_SUFFIXES and p.is_file()):
-            h.update(f"{package.__name__}/{path.relative_to(root).as_posix()}\0".encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()
 
 
 @functools.cache
@@ -78,7 +64,7 @@ def process_material() -> bytes:
         "devices": [(d.id, d.device_kind, d.process_index) for d in devices],
         "settings": sorted(settings.items()),
         "env": sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)),
-        "source": _source_digest(),
+        "source": source.digest(),
     }
     return repr(parts).encode()
 

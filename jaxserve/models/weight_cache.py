@@ -1,0 +1,134 @@
+"""Packed weights kept on disk: a later start reads them instead of converting them again.
+
+For the CPU's kernels the loader dequantizes every tensor (SmolLM2's GGUF is Q4_1), casts,
+transposes and packs it into oneDNN's layout: ~1.1-1.5 s of a ~4.5 s second start on 2
+cores, for the same bytes every time. The loader keeps the result here and a later load
+reads it (~0.1 s for SmolLM2's 393 MB from the page cache: bfloat16 layers, a float32
+embedding table).
+
+One file per checkpoint and load options; its header holds the full key: the checkpoint's
+files (path, size, modification time), the options, the model's structure (nnx GraphDef:
+config and dtypes), jaxserve's and the kernels' source and oneDNN's version. The folder is
+per machine (``compile_cache.folder``: oneDNN picks its layout for the CPU). A key that
+differs rebuilds the file in place, so a new version of jaxserve replaces the old copy
+instead of adding one. Only packed weights are kept: elsewhere the load is a cast and a
+transpose, and a second copy of a large model is not worth its disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import struct
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve import source
+from pallas_kernels import cpu_build
+
+MAGIC = b"jaxserve-weights-1\n"
+_ALIGN = 64  # bytes: each array starts on a cache line, as numpy and XLA like it
+
+
+def _files(path: Path) -> list[tuple[str, int, int]]:
+    """(path, size, mtime_ns) of the checkpoint's file, or of every file in its folder."""
+    path = path.resolve()
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+
+
+def entry(folder: Path, checkpoint: Path, options: tuple, graphdef) -> tuple[Path, str]:
+    """(the file for this checkpoint and these options, the key its header must hold)."""
+    try:
+        onednn = cpu_build.onednn()[2]
+    except cpu_build.BuildError:
+        onednn = None
+    name = hashlib.sha256(repr((str(checkpoint.resolve()), options)).encode()).hexdigest()[:16]
+    material = repr((_files(checkpoint), options, source.digest(), onednn)).encode() + pickle.dumps(graphdef)
+    return Path(folder) / f"{name}.bin", hashlib.sha256(material).hexdigest()
+
+
+def load(path: Path, key: str) -> dict | None:
+    """The parameters (nested dict of arrays on the default device) that ``save`` wrote
+    under ``key``, or None (no file, another key, a broken file)."""
+    try:
+        return _read(path, key)
+    except Exception:  # truncated, another format: the caller converts the weights again
+        return None
+
+
+def _read(path: Path, key: str) -> dict | None:
+    with open(path, "rb") as f:
+        if f.read(len(MAGIC)) != MAGIC:
+            return None
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        if header["key"] != key:
+            return None
+        data = _aligned_buffer(header["bytes"])
+        f.seek(_aligned(len(MAGIC) + 8 + size))
+        if f.readinto(memoryview(data)) != header["bytes"]:
+            return None  # cut short
+    params: dict = {}
+    for names, name, shape, offset in header["arrays"]:
+        dtype = jnp.dtype(name)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        array = data[offset : offset + nbytes].view(dtype).reshape(shape)
+        node = params
+        for part in names[:-1]:
+            node = node.setdefault(part, {})
+        node[names[-1]] = jax.device_put(array)
+    return params
+
+
+def save(path: Path, key: str, params: dict) -> None:
+    """Writes ``params`` (nested dict of arrays) under ``key``, atomically; an unwritable
+    cache only costs the next start its time."""
+    arrays = [(names, np.ascontiguousarray(value)) for names, value in _leaves(params)]
+    layout, offset = [], 0  # offsets from the start of the data, which is aligned too
+    for names, value in arrays:
+        layout.append([names, value.dtype.name, list(value.shape), offset])  # "bfloat16" too
+        offset = _aligned(offset + value.nbytes)
+    header = json.dumps({"key": key, "arrays": layout, "bytes": offset}).encode()
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + struct.pack("<Q", len(header)) + header)
+            for _, value in arrays:
+                f.write(b"\0" * (_aligned(f.tell()) - f.tell()))
+                f.write(value.reshape(-1).view(np.uint8))  # bfloat16 has no buffer format
+            f.write(b"\0" * (_aligned(f.tell()) - f.tell()))
+        os.replace(tmp, path)  # whole or not at all; replaces another version's copy
+        tmp = None
+    except OSError:
+        pass
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def _leaves(params: dict, prefix: tuple = ()):
+    for name, value in params.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, (*prefix, name))
+        else:
+            yield [*prefix, name], value
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _aligned_buffer(nbytes: int) -> np.ndarray:
+    """``nbytes`` uninitialized bytes starting on an ``_ALIGN`` boundary."""
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    skip = -raw.ctypes.data % _ALIGN
+    return raw[skip : skip + nbytes]
