@@ -18,8 +18,10 @@ waits for them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import pickle
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -259,6 +261,20 @@ def copy_pages(kv_cache, src, dst):
     return jax.tree.map(lambda x: x.at[:, :, dst].set(x[:, :, src]), kv_cache)
 
 
+def _in_background(fn) -> concurrent.futures.Future:
+    """``fn()`` on a daemon thread (Ctrl-C during start-up need not wait for it)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="jaxserve-kv-cache", daemon=True).start()
+    return future
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cfg: RunnerConfig, program_dir: str | Path | None = None):
         """``program_dir``: keep the compiled programs there (``programs.ProgramStore``), so
@@ -294,7 +310,11 @@ class ModelRunner:
             self._new_kv_cache = jax.jit(
                 lambda: backend.new_kv_cache(shape, kv_dtype), out_shardings=kv_cache_sharding(mesh)
             )
-        self.kv_cache = self._call(("kv_cache",), self._new_kv_cache)
+        new_kv_cache = self._program(("kv_cache",), self._new_kv_cache)
+        self._kv_spec = new_kv_cache.out_info  # the cache's shapes and placement, to compile against
+        # Zeroing the cache (2 GB for SmolLM2's default config: 0.5-1.5 s on 2 cores) runs on a
+        # thread of its own while the warm-up loads the programs; the first use waits for it.
+        self._kv_cache = _in_background(new_kv_cache)
         self.token_buckets, self.seq_buckets = cfg.buckets
         self._forward = jax.jit(make_forward(self.graphdef, cfg.attention_backend), donate_argnums=(1,))
         self._scored_forward = jax.jit(make_scored_forward(self.graphdef, cfg.attention_backend), donate_argnums=(1,))
@@ -306,6 +326,16 @@ class ModelRunner:
         self._feed_tokens = self._no_feed  # the last step's samples, padded (see make_sample)
         self._no_mask: dict[int, jax.Array] = {}  # sequence bucket -> all-ones token bitmask
         self.recording: list[StepInputs] | None = None  # a list: every step's inputs go in it
+
+    @property
+    def kv_cache(self):
+        if isinstance(self._kv_cache, concurrent.futures.Future):
+            self._kv_cache = self._kv_cache.result()  # re-raises a failed allocation
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, value) -> None:
+        self._kv_cache = value
 
     def pack(self, seqs: list[ScheduledSeq]) -> PackedBatch:
         return pack(seqs, self.cfg.page_size, self.cfg.pages_per_seq, self.token_buckets, self.seq_buckets)
@@ -487,15 +517,11 @@ class ModelRunner:
         seq_buckets = sorted({s for _, s in pairs})
         jobs = len(pairs) + 2 * len(seq_buckets) + 1
         bar = tqdm(total=jobs, desc="compiling step buckets", disable=not progress, leave=False)
-        logits = {}  # sequence bucket -> logits placed as the sampler receives them
-        for t, s in pairs:
+        logits = {}  # sequence bucket -> the logits' shape and placement, as the model outputs them
+        for t, s in pairs:  # against the cache's shape: it may still be being zeroed
             _, (md, feed_rows, *_) = step_inputs(self.cfg, bucket_seqs(self.cfg, t, s), greedy(s))
-            args = (self.state, self.kv_cache, md, feed_rows, self._no_feed)
-            out = self._program(("forward", t, s), self._forward, *args).out_info[1]
-            # An array placed as the model's output will be: jit keys a call by its arguments'
-            # placement, committed to devices (under a mesh) or not (one device).
-            zeros = np.zeros(out.shape, out.dtype)
-            logits[s] = jax.device_put(zeros, out.sharding if jax.tree.leaves(self.kv_cache)[0].committed else None)
+            args = (self.state, self._kv_spec, md, feed_rows, self._no_feed)
+            logits[s] = self._program(("forward", t, s), self._forward, *args).out_info[1]
             bar.update()
         for s in seq_buckets:
             for penalties in (False, True):
@@ -505,7 +531,7 @@ class ModelRunner:
                 )
                 bar.update()
         pages = np.zeros(self.cfg.max_num_seqs, np.int32)
-        self._program(("copy_pages",), self._copy_pages, self.kv_cache, pages, pages)
+        self._program(("copy_pages",), self._copy_pages, self._kv_spec, pages, pages)
         bar.update()
         bar.close()
 

@@ -69,15 +69,20 @@ def process_material() -> bytes:
     return repr(parts).encode()
 
 
+def _describe(x) -> tuple:
+    """(shape, dtype, weak type, placement) of an array, or of a ``jax.ShapeDtypeStruct``
+    standing for one (numpy arrays go to the default device)."""
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        return tuple(x.shape), str(x.dtype), bool(x.weak_type), repr(x.sharding)
+    x = np.asarray(x)
+    return x.shape, str(x.dtype), False, None
+
+
 def _signature(args: tuple) -> bytes:
     """The arguments' tree, and per leaf its type and placement: what the program was
     compiled for (a call with other shapes or placements is another program)."""
     leaves, tree = jax.tree_util.tree_flatten((args, {}))
-    described = []
-    for x in leaves:
-        sharding = repr(x.sharding) if isinstance(x, jax.Array) else None
-        described.append((str(jax.typeof(x)), sharding))
-    return pickle.dumps(tree) + repr(described).encode()
+    return pickle.dumps(tree) + repr([_describe(x) for x in leaves]).encode()
 
 
 class ProgramStore:
@@ -95,8 +100,9 @@ class ProgramStore:
         return self.directory / f"{key}.bin"
 
     def compiled(self, name: str, fn, args: tuple) -> jax.stages.Compiled:
-        """``fn``'s program for ``args`` (a ``jax.jit`` function): loaded from the store if
-        it holds one, else lowered, compiled and written to it."""
+        """``fn``'s program for ``args`` (a ``jax.jit`` function; an argument may be a
+        ``jax.ShapeDtypeStruct`` with its sharding): loaded from the store if it holds one,
+        else lowered, compiled and written to it."""
         path = self._path(name, args)
         loaded = self._load(path, args)
         if loaded is not None:
