@@ -108,7 +108,7 @@ def test_a_change_of_source_or_environment_is_another_key(tmp_path, monkeypatch)
     programs.ProgramStore(tmp_path, b"r").compiled("f", f, ARGS)
     try:
         for change in (
-            lambda: monkeypatch.setattr(programs.source, "digest", lambda: "edited"),
+            lambda: monkeypatch.setattr(programs.caching, "source_digest", lambda: "edited"),
             lambda: monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false"),
         ):
             monkeypatch.undo()

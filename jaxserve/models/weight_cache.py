@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
 import struct
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import source
+from jaxserve import caching
 from pallas_kernels import cpu_build
 
 MAGIC = b"jaxserve-weights-1\n"
@@ -50,7 +48,7 @@ def entry(folder: Path, checkpoint: Path, options: tuple, graphdef) -> tuple[Pat
     except cpu_build.BuildError:
         onednn = None
     name = hashlib.sha256(repr((str(checkpoint.resolve()), options)).encode()).hexdigest()[:16]
-    material = repr((_files(checkpoint), options, source.digest(), onednn)).encode() + pickle.dumps(graphdef)
+    material = repr((_files(checkpoint), options, caching.source_digest(), onednn)).encode() + pickle.dumps(graphdef)
     return Path(folder) / f"{name}.bin", hashlib.sha256(material).hexdigest()
 
 
@@ -96,23 +94,18 @@ def save(path: Path, key: str, params: dict) -> None:
         layout.append([names, value.dtype.name, list(value.shape), offset])  # "bfloat16" too
         offset = _aligned(offset + value.nbytes)
     header = json.dumps({"key": key, "arrays": layout, "bytes": offset}).encode()
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + struct.pack("<Q", len(header)) + header)
-            for _, value in arrays:
-                f.write(b"\0" * (_aligned(f.tell()) - f.tell()))
-                f.write(value.reshape(-1).view(np.uint8))  # bfloat16 has no buffer format
-            f.write(b"\0" * (_aligned(f.tell()) - f.tell()))
-        os.replace(tmp, path)  # whole or not at all; replaces another version's copy
-        tmp = None
-    except OSError:
-        pass
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+    caching.write_atomically(path, _chunks(header, arrays))  # replaces another version's copy
+
+
+def _chunks(header: bytes, arrays: list):
+    """The file's bytes: magic, header, then each array on an ``_ALIGN`` boundary."""
+    at = len(MAGIC) + 8 + len(header)
+    yield MAGIC + struct.pack("<Q", len(header)) + header
+    for _, value in arrays:
+        yield b"\0" * (_aligned(at) - at)
+        yield value.reshape(-1).view(np.uint8)  # bfloat16 has no buffer format
+        at = _aligned(at) + value.nbytes
+    yield b"\0" * (_aligned(at) - at)
 
 
 def _leaves(params: dict, prefix: tuple = ()):

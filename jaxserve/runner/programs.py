@@ -30,7 +30,6 @@ import functools
 import hashlib
 import os
 import pickle
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ import jaxlib
 import numpy as np
 from jax.experimental import serialize_executable
 
-from jaxserve import source
+from jaxserve import caching
 from jaxserve.runner import compile_counter
 from pallas_kernels import cpu_build
 
@@ -64,7 +63,7 @@ def process_material() -> bytes:
         "devices": [(d.id, d.device_kind, d.process_index) for d in devices],
         "settings": sorted(settings.items()),
         "env": sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)),
-        "source": source.digest(),
+        "source": caching.source_digest(),
     }
     return repr(parts).encode()
 
@@ -145,16 +144,4 @@ class ProgramStore:
             blob = pickle.dumps(record)
         except Exception:  # e.g. a program with host callbacks: it stays in memory only
             return
-        tmp = None
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, path)  # whole or not at all; a concurrent writer's copy is the same
-            tmp = None
-        except OSError:
-            pass  # an unwritable cache only costs the next start its time
-        finally:
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
+        caching.write_atomically(path, [blob])  # a concurrent writer's copy is the same
