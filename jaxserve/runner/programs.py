@@ -20,7 +20,7 @@ XLA:CPU builds code for the host's instruction set.
 An executable is written only right after XLA compiled it. XLA:CPU (jaxlib 0.10) serializes
 an executable it *loaded* without its kernels, and the copy then fails to run ("Function
 ... not found"), so this store cannot sit on top of JAX's cache: where it is in use, JAX's
-cache is off (``compile_cache.use_program_store``), and a compile that JAX reports as a
+cache is off (``compile_cache.use``), and a compile that JAX reports as a
 cache hit anyway is not written.
 """
 
