@@ -11,6 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
 from jaxserve import compile_cache
 from jaxserve.models import weight_cache
@@ -158,7 +159,9 @@ def test_kept_weights_come_back_bit_for_bit_and_only_under_their_key(tmp_path):
     path = tmp_path / "w.bin"
     weight_cache.save(path, "key 1", params)
     back = weight_cache.load(path, "key 1")
-    for (names, want), (names_back, got) in zip(weight_cache._leaves(params), weight_cache._leaves(back), strict=True):
+    for (names, want), (names_back, got) in zip(
+        traverse_util.flatten_dict(params).items(), traverse_util.flatten_dict(back).items(), strict=True
+    ):
         assert names == names_back and got.dtype == want.dtype and isinstance(got, jax.Array)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert weight_cache.load(path, "key 2") is None  # another version of the code or file

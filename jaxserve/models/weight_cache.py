@@ -26,6 +26,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
 from jaxserve import caching
 from pallas_kernels import cpu_build
@@ -38,7 +39,7 @@ def _files(path: Path) -> list[tuple[str, int, int]]:
     """(path, size, mtime_ns) of the checkpoint's file, or of every file in its folder."""
     path = path.resolve()
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
-    return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return [(str(p), (st := p.stat()).st_size, st.st_mtime_ns) for p in files]
 
 
 def entry(folder: Path, checkpoint: Path, options: tuple, graphdef) -> tuple[Path, str]:
@@ -73,22 +74,18 @@ def _read(path: Path, key: str) -> dict | None:
         f.seek(_aligned(len(MAGIC) + 8 + size))
         if f.readinto(memoryview(data)) != header["bytes"]:
             return None  # cut short
-    params: dict = {}
+    flat = {}
     for names, name, shape, offset in header["arrays"]:
         dtype = jnp.dtype(name)
         nbytes = int(np.prod(shape)) * dtype.itemsize
-        array = data[offset : offset + nbytes].view(dtype).reshape(shape)
-        node = params
-        for part in names[:-1]:
-            node = node.setdefault(part, {})
-        node[names[-1]] = jax.device_put(array)
-    return params
+        flat[tuple(names)] = jax.device_put(data[offset : offset + nbytes].view(dtype).reshape(shape))
+    return traverse_util.unflatten_dict(flat)
 
 
 def save(path: Path, key: str, params: dict) -> None:
     """Writes ``params`` (nested dict of arrays) under ``key``, atomically; an unwritable
     cache only costs the next start its time."""
-    arrays = [(names, np.ascontiguousarray(value)) for names, value in _leaves(params)]
+    arrays = [(list(names), np.ascontiguousarray(value)) for names, value in traverse_util.flatten_dict(params).items()]
     layout, offset = [], 0  # offsets from the start of the data, which is aligned too
     for names, value in arrays:
         layout.append([names, value.dtype.name, list(value.shape), offset])  # "bfloat16" too
@@ -106,14 +103,6 @@ def _chunks(header: bytes, arrays: list):
         yield value.reshape(-1).view(np.uint8)  # bfloat16 has no buffer format
         at = _aligned(at) + value.nbytes
     yield b"\0" * (_aligned(at) - at)
-
-
-def _leaves(params: dict, prefix: tuple = ()):
-    for name, value in params.items():
-        if isinstance(value, dict):
-            yield from _leaves(value, (*prefix, name))
-        else:
-            yield [*prefix, name], value
 
 
 def _aligned(n: int) -> int:
