@@ -754,6 +754,28 @@ int JaxserveMatmulTiles(int64_t m, int64_t k, int64_t n) {
   }
 }
 
+// Distinct values (bfloat16 bit patterns; a float32 operand's upper half) among the
+// operands the bit checks use for an m-row call on a [k, n] slice (RandomOperands), or -1
+// on error: a check over few distinct values (zeros, say) would pass whatever order a
+// kernel sums in.
+int64_t JaxserveCheckOperandValues(int64_t m, int64_t k, int64_t n, int f32) {
+  try {
+    const Operands ops = RandomOperands(m, k, n, f32 != 0);
+    std::vector<bool> seen(1 << 16);
+    for (const std::vector<uint8_t>* bytes : {&ops.x, &ops.packed}) {
+      for (size_t i = f32 ? 2 : 0; i < bytes->size(); i += f32 ? 4 : 2) {
+        uint16_t bits;
+        std::memcpy(&bits, bytes->data() + i, sizeof bits);  // little-endian: a float32's upper half at +2
+        seen[bits] = true;
+      }
+    }
+    return std::count(seen.begin(), seen.end(), true);
+  } catch (const dnnl::error& e) {
+    last_error = e.what();
+    return -1;
+  }
+}
+
 const char* JaxserveLastError() { return last_error.c_str(); }
 
 }  // extern "C"

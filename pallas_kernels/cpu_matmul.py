@@ -78,6 +78,8 @@ def _lib() -> tuple[ctypes.CDLL | None, str]:
     lib.JaxserveMatmulTiles.argtypes = [ctypes.c_int64] * 3
     lib.JaxserveSwiGluPart.restype = ctypes.c_int64
     lib.JaxserveSwiGluPart.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int]
+    lib.JaxserveCheckOperandValues.restype = ctypes.c_int64
+    lib.JaxserveCheckOperandValues.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.JaxserveLastError.restype = ctypes.c_char_p
     return lib, ""
 
@@ -207,6 +209,15 @@ def uses_tiles(m: int, k: int, n: int) -> bool:
     if used < 0:
         raise RuntimeError(f"oneDNN: {lib.JaxserveLastError().decode()}")
     return bool(used)
+
+
+def check_operand_values(m: int, k: int, n: int, dtype) -> int:
+    """Distinct values among the pseudo-random operands of the kernel's per-shape bit checks
+    for ``m``-row calls on one ``[k, n]`` slice (bfloat16 patterns; float32's upper halves)."""
+    values = _checked().JaxserveCheckOperandValues(m, k, n, _is_f32(dtype))
+    if values < 0:
+        raise RuntimeError(f"oneDNN: {_checked().JaxserveLastError().decode()}")
+    return int(values)
 
 
 def swiglu_part(m: int, k: int, i: int, dtype) -> int:

@@ -89,6 +89,18 @@ def test_a_decodes_few_rows_run_on_the_kernels_own_tiles():
 
 
 @pytest.mark.parametrize("dtype", [BF16, np.float32])
+def test_the_bit_checks_run_on_varied_operands(dtype):
+    """The kernel picks a way to compute a shape (its own AMX loop, parts of a slice) only
+    where it gave oneDNN's bits on pseudo-random operands: varied ones, since operands of few
+    values (zeros, say) agree whatever order a kernel sums in. Filled in place where the
+    packed layout has no padding (the LM head's and the MLP's slices) and through a pack where
+    it has (a [64, 40] weight in blocks of 64 columns)."""
+    assert cpu_matmul.check_operand_values(8, 576, 24576, dtype) > 3000
+    assert cpu_matmul.check_operand_values(32, 576, 1536, dtype) > 2000
+    assert cpu_matmul.check_operand_values(8, 64, 40, dtype) > 500
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
 @pytest.mark.parametrize("k, i", [(576, 1536), (64, 40)])  # SmolLM2's MLP; slices of 20: a partial group of 16
 def test_swiglu_matches_silu_of_the_two_products(k, i, dtype):
     """One call gives silu(x @ gate) * (x @ up) in the weights' dtype (what the next matmul
