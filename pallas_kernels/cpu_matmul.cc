@@ -408,11 +408,25 @@ bool PartsAgree(int64_t rows, int64_t k, int64_t n, int64_t part, bool f32, cons
   });
 }
 
+// The rows of an M-row call that are computed when the first `used` hold the step's tokens
+// (the rest pad the token bucket): `used` (at least 1) rounded up to a multiple of
+// kRowQuantum, at most M (all of them where `used` is out of range). A 300-token prompt in
+// the 512-token bucket ran 512 rows of every matmul. A row's bits do not depend on how many
+// rows share the call (tests/test_cpu_matmul.py), and the quantum bounds the primitives
+// (and per-shape checks) one shape needs: M / 32.
+constexpr int64_t kRowQuantum = 32;
+
+int64_t RowsInUse(int64_t m, const ffi::Buffer<ffi::S32>& used) {
+  const int64_t u = used.element_count() ? used.typed_data()[0] : m;
+  if (u < 0 || u >= m) return m;
+  return std::min(m, (std::max<int64_t>(u, 1) + kRowQuantum - 1) / kRowQuantum * kRowQuantum);
+}
+
 // x [M, K] @ w[layer] -> out [slices, M, N / slices]: slice i (columns [i * N / slices,
 // (i + 1) * N / slices) of the weight, packed on its own) runs on one of XLA's threads
 // into its own dense block (oneDNN 3.2's fast kernels take no row stride on the output).
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::S32> layer,
-                  ffi::ResultBuffer<ffi::F32> out) {
+                  ffi::Buffer<ffi::S32> used, ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions();
   auto pd = packed.dimensions();
   auto od = out->dimensions();
@@ -423,9 +437,13 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> p
   if (!f32 && x.element_type() != ffi::DataType::BF16) {
     return ffi::Error::InvalidArgument("x must be float32 or bfloat16 (the packed weights' dtype)");
   }
-  const int64_t m = xd[0], k = xd[1], slices = od[0], width = od[2];
+  const int64_t rows_in_call = xd[0], k = xd[1], slices = od[0], width = od[2];
+  const int64_t m = RowsInUse(rows_in_call, used);  // the rows computed; the rest come out zero
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument("layer " + std::to_string(l) + " is not in packed");
+  for (int64_t i = 0; i < slices && m < rows_in_call; ++i) {
+    std::memset(out->typed_data() + (i * rows_in_call + m) * width, 0, (rows_in_call - m) * width * sizeof(float));
+  }
   // Row blocks: the whole call, or on the plain GEMM balanced blocks (RowBlocks).
   std::optional<RowBlocks> blocks;
   try {
@@ -444,7 +462,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> p
   return RunItems(pool, slices * blocks->count, [&](int item) {
     const int64_t i = item / blocks->count, b = item % blocks->count, row = blocks->Row(b);
     Execute(blocks->Of(b), static_cast<char*>(x.untyped_data()) + row * x_row_bytes, bytes + i * slice_bytes,
-            out->typed_data() + (i * m + row) * width);
+            out->typed_data() + (i * rows_in_call + row) * width);
   });
 }
 
@@ -568,7 +586,8 @@ std::shared_ptr<const SwiGluPlan> PlanFor(int64_t m, int64_t k, int64_t width, b
 // rows (items alternate between slices, so a thread taking every other item stays on one
 // slice's weights), multiplied into the thread's scratch, then reduced into its columns.
 ffi::Error MatmulSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed,
-                        ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out, int64_t slices) {
+                        ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> used, ffi::Result<ffi::AnyBuffer> out,
+                        int64_t slices) {
   auto xd = x.dimensions();
   auto pd = packed.dimensions();
   auto od = out->dimensions();
@@ -579,9 +598,11 @@ ffi::Error MatmulSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   if ((!f32 && x.element_type() != ffi::DataType::BF16) || out->element_type() != x.element_type()) {
     return ffi::Error::InvalidArgument("x and out must both be float32 or both bfloat16 (the packed weights' dtype)");
   }
-  const int64_t m = xd[0], k = xd[1], width = od[1] / slices;
+  const int64_t m = RowsInUse(xd[0], used), k = xd[1], width = od[1] / slices;  // the rows computed
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument("layer " + std::to_string(l) + " is not in packed");
+  const size_t out_row_bytes = static_cast<size_t>(od[1]) * (f32 ? 4 : 2);
+  std::memset(static_cast<char*>(out->untyped_data()) + m * out_row_bytes, 0, (xd[0] - m) * out_row_bytes);
   std::shared_ptr<const SwiGluPlan> plan;
   try {
     plan = PlanFor(m, k, width, f32);
@@ -786,6 +807,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, Matmul,
                                   .Arg<ffi::AnyBuffer>()           // x [M, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()     // packed weights [L, bytes]
                                   .Arg<ffi::Buffer<ffi::S32>>()    // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // rows in use (RowsInUse)
                                   .Ret<ffi::Buffer<ffi::F32>>());  // [slices, M, N / slices]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveAddRmsNorm, AddRmsNorm,
@@ -804,5 +826,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulSwiGlu, MatmulSwiGlu,
                                   .Arg<ffi::AnyBuffer>()         // x [M, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // packed [gate | up] slices [L, bytes]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows in use (RowsInUse)
                                   .Ret<ffi::AnyBuffer>()         // [M, I], x's dtype
                                   .Attr<int64_t>("slices"));

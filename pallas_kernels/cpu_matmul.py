@@ -231,21 +231,37 @@ def swiglu_part(m: int, k: int, i: int, dtype) -> int:
     return int(part)
 
 
-def matmul(x: jax.Array, packed: jax.Array, layer: jax.Array | int, n: int, dtype) -> jax.Array:
+# Rows a call computes when only the first ``rows`` are in use: ``rows`` rounded up to a
+# multiple of this, at most M (cpu_matmul.cc: RowsInUse).
+ROW_QUANTUM = 32
+
+
+def _rows_in_use(rows: jax.Array | int | None, m: int) -> jax.Array:
+    """The calls' ``rows`` operand: how many leading rows hold tokens (the rest pad a token
+    bucket: computed as zeros); all ``m`` where None."""
+    return jnp.asarray(m if rows is None else rows, jnp.int32).reshape(())
+
+
+def matmul(
+    x: jax.Array, packed: jax.Array, layer: jax.Array | int, n: int, dtype, rows: jax.Array | int | None = None
+) -> jax.Array:
     """``x [M, K] @ w[layer] [K, N]`` accumulated in float32 (``[M, N]``), where ``packed``
-    is ``[L, bytes]``: each layer's ``pack`` of a ``dtype`` weight."""
-    out = join_slices(matmul_slices(x.reshape(-1, x.shape[-1]), packed, layer, n, dtype))
+    is ``[L, bytes]``: each layer's ``pack`` of a ``dtype`` weight. With ``rows``, only the
+    first ``rows`` rows (rounded up to ``ROW_QUANTUM``) are computed and the rest are zero."""
+    out = join_slices(matmul_slices(x.reshape(-1, x.shape[-1]), packed, layer, n, dtype, rows))
     return out.reshape(*x.shape[:-1], n)
 
 
-def matmul_slices(x: jax.Array, packed: jax.Array, layer: jax.Array | int, n: int, dtype) -> jax.Array:
+def matmul_slices(
+    x: jax.Array, packed: jax.Array, layer: jax.Array | int, n: int, dtype, rows: jax.Array | int | None = None
+) -> jax.Array:
     """``matmul`` of ``x [M, K]`` as the kernel stores it: ``[slices, M, N / slices]``, each
     column slice's product dense (``join_slices`` makes it ``[M, N]``)."""
     _checked()
     dtype = ml_dtypes.bfloat16 if jnp.dtype(dtype).name == "bfloat16" else jnp.float32
     s, m = slices(n, dtype), x.shape[0]
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((s, m, n // s), jnp.float32))(
-        x.astype(dtype), packed, jnp.asarray(layer, jnp.int32).reshape(())
+        x.astype(dtype), packed, jnp.asarray(layer, jnp.int32).reshape(()), _rows_in_use(rows, m)
     )
 
 
@@ -255,7 +271,9 @@ def join_slices(out: jax.Array) -> jax.Array:
     return out.transpose(1, 0, 2).reshape(m, s * w)
 
 
-def swiglu(x: jax.Array, packed: jax.Array, layer: jax.Array | int, i: int, dtype) -> jax.Array:
+def swiglu(
+    x: jax.Array, packed: jax.Array, layer: jax.Array | int, i: int, dtype, rows: jax.Array | int | None = None
+) -> jax.Array:
     """``silu(x @ gate) * (x @ up)``, ``[M, I]`` in ``dtype`` (the weights' dtype, which the
     next matmul reads), where ``packed`` is ``[L, bytes]``: each layer's ``pack_swiglu``.
     One call computes each block of rows' gate and up and their product while they are in
@@ -268,6 +286,7 @@ def swiglu(x: jax.Array, packed: jax.Array, layer: jax.Array | int, i: int, dtyp
         x.reshape(m, x.shape[-1]).astype(dtype),
         packed,
         jnp.asarray(layer, jnp.int32).reshape(()),
+        _rows_in_use(rows, m),
         slices=np.int64(swiglu_slices(i, dtype)),
     )
     return out.reshape(*x.shape[:-1], i)

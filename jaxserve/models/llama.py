@@ -157,8 +157,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = nnx.Param(jnp.ones((e,), dtype))
         self.cfg = cfg
 
-    def linear(self, x: jax.Array, name: str, layer: jax.Array, out_dtype=None) -> jax.Array:
-        """``x @ w`` of weight ``name``, accumulated in float32, in ``out_dtype`` (default x's)."""
+    def linear(self, x: jax.Array, name: str, layer: jax.Array, out_dtype=None, rows=None) -> jax.Array:
+        """``x @ w`` of weight ``name``, accumulated in float32, in ``out_dtype`` (default x's).
+        ``rows``: the leading rows that hold tokens (the oneDNN kernel computes those only;
+        the rest, a token bucket's padding, come out zero)."""
         w = getattr(self, name)[...]
         out_dtype = out_dtype or x.dtype
         if self.quant is not None and self.packed is not None:
@@ -170,7 +172,7 @@ class DecoderLayer(nnx.Module):
             return int8_dot(x, w, scale, offset, self.quant.compute_dtype, dot).astype(out_dtype)
         if self.packed is None:
             return dot(x, weight(w, self.weight_dtype)).astype(out_dtype)
-        return cpu_matmul.matmul(x, w, layer, self.shapes[name][1], self.packed).astype(out_dtype)
+        return cpu_matmul.matmul(x, w, layer, self.shapes[name][1], self.packed, rows).astype(out_dtype)
 
     def o_input(self) -> str | None:
         """The dtype o_proj reads the attention output in, where its kernel casts it (oneDNN
@@ -216,6 +218,9 @@ class DecoderLayer(nnx.Module):
         t = x.shape[0]
         eps = cfg.rms_norm_eps
         kernels_norm = self.norms_in_kernel(x)
+        # The step's tokens lead its rows; the oneDNN calls skip the bucket's padding rows
+        # (a 300-token prompt in the 512-token bucket ran 512 rows of every matmul).
+        rows = md.query_start_loc[-1]
         with jax.named_scope("attention"):
             if kernels_norm:
                 h = cpu_matmul.rms_norm(x, self.input_norm[...], eps, self.packed)
@@ -224,7 +229,7 @@ class DecoderLayer(nnx.Module):
             if self.rope_in_attention(x, backend):
                 # q, k and v stay in the product: the attention kernel reads (and rotates) them there.
                 n = self.shapes["qkv_proj"][1]
-                product = cpu_matmul.matmul_slices(h, self.qkv_proj[...], layer, n, self.packed)
+                product = cpu_matmul.matmul_slices(h, self.qkv_proj[...], layer, n, self.packed, rows)
                 o, kv_cache = backend.write_and_attend_product(
                     QkvProduct(product, cos, sin, cfg.num_heads, cfg.num_kv_heads),
                     kv_cache,
@@ -249,7 +254,7 @@ class DecoderLayer(nnx.Module):
                 )
             if kernels_norm:
                 n = self.shapes["o_proj"][1]
-                product = cpu_matmul.matmul_slices(o.reshape(t, -1), self.o_proj[...], layer, n, self.packed)
+                product = cpu_matmul.matmul_slices(o.reshape(t, -1), self.o_proj[...], layer, n, self.packed, rows)
                 x, h = cpu_matmul.add_rms_norm(x, product, self.post_attention_norm[...], eps, self.packed)
             else:
                 x = x + self.linear(o.reshape(t, -1), "o_proj", layer, x.dtype)
@@ -257,14 +262,14 @@ class DecoderLayer(nnx.Module):
             if not kernels_norm:
                 h = rms_norm(x, self.post_attention_norm[...], eps)
             if self.packed is not None and self.quant is None:  # oneDNN: SiLU and product in the kernel
-                gated = cpu_matmul.swiglu(h, self.gate_up_proj[...], layer, cfg.intermediate_size, self.packed)
+                gated = cpu_matmul.swiglu(h, self.gate_up_proj[...], layer, cfg.intermediate_size, self.packed, rows)
             else:
                 gate, up = self.projections(h, "gate_up_proj", layer)
                 gated = jax.nn.silu(gate) * up
             # Added in float32, as it left the matmul: the oneDNN SwiGLU's output is bfloat16
             # (down_proj's input), and rounding down_proj's output to it too put these logits
             # 4x further from XLA's (test_onednn_layers_add_their_outputs_to_x_in_float32).
-            x = x + self.linear(gated, "down_proj", layer, x.dtype)
+            x = x + self.linear(gated, "down_proj", layer, x.dtype, rows)
         return x, kv_cache
 
 
