@@ -168,7 +168,6 @@ inline float SumLanes8(Lanes8 v) {
   return v2[0] + v2[1];
 }
 
-
 template <typename V = Lanes, typename I = Ints>
 JAXSERVE_FMA inline V ExpNonPositive(V x) {
   return jaxserve::ExpNonPositiveGeneric<V, I>(x);
@@ -422,7 +421,9 @@ JAXSERVE_FMA inline float SoftmaxRow(const float* s, int32_t base, int32_t lo, i
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
   const __m512 m = _mm512_broadcastss_ps(m4);
-  // The edge groups (masked) apart from the loop between them; the sum still in group order.
+  // The edge groups (masked) apart from the loop between them, which then tests no mask;
+  // the sum still in group order. (One loop testing for the edges: 45.6-50.4 ms against
+  // 44.9-46.9 for the bench above, 6 interleaved rounds.)
   auto group = [&](int32_t g, __mmask16 keep) {
     const __m512 v = _mm512_maskz_mov_ps(keep, jaxserve::ExpNonPositive512(_mm512_sub_ps(_mm512_loadu_ps(s + g * kLanes), m)));
     Lanes p;
