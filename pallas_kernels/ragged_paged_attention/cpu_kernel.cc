@@ -13,7 +13,9 @@
 // groups of 16 positions (groups start at multiples of 16), each widened to float32 once
 // into a small buffer that every row of the tile reads:
 //   1. scores: per row, 16 keys' 16-lane partial dot products, summed by a fixed
-//      butterfly (Reduce16);
+//      butterfly (Reduce16); a tile of many rows takes the keys transposed instead, which
+//      turns the butterfly into adds of whole vectors, bitwise the same scores
+//      (GroupScoresTransposed);
 //   2. softmax per row over its own positions [lo, pos], exactly (two passes, no online
 //      rescaling);
 //   3. output: p * V accumulated in ascending position order, a few rows at a time with
@@ -43,7 +45,7 @@
 #include <utility>
 #include <vector>
 
-#ifdef __AVX512F__
+#ifdef __AVX__
 #include <immintrin.h>
 #endif
 
@@ -506,6 +508,144 @@ JAXSERVE_FMA inline void GroupScores(const Lanes* q, const Lanes* keys, int64_t 
 #endif
 }
 
+#ifdef __AVX512F__
+// x[n][k] -> x[k][n] for 16 vectors of 16 32-bit lanes: pairs, then quads within each
+// 128-bit lane, then a 4 x 4 transpose of the lanes.
+inline void Transpose16x16(__m512i* x) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + j], lane L: rows 4i..4i+3 of column 4L + j
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i a0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), a1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
+    const __m512i b0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44),
+                  b1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
+    x[j] = _mm512_shuffle_i32x4(a0, b0, 0x88);
+    x[4 + j] = _mm512_shuffle_i32x4(a0, b0, 0xdd);
+    x[8 + j] = _mm512_shuffle_i32x4(a1, b1, 0x88);
+    x[12 + j] = _mm512_shuffle_i32x4(a1, b1, 0xdd);
+  }
+}
+#endif
+
+#if defined(__AVX__) && !defined(__AVX512F__)
+// x[n][k] -> x[k][n] for 8 vectors of 8 floats: pairs, then quads within each 128-bit
+// half, then the halves.
+inline void Transpose8x8(__m256* x) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(x[2 * i], x[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  for (int j = 0; j < 4; ++j) {
+    x[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+    x[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+  }
+}
+#endif
+
+// keys[d] = dimension d of 16 keys, from group ([16 keys][dims] float32; dims a multiple
+// of 16): GroupScoresTransposed's operand.
+inline void TransposeKeys(const float* group, int64_t dims, Lanes* keys) {
+  float* out = reinterpret_cast<float*>(keys);
+#if defined(__AVX512F__)
+  for (int64_t c = 0; c < dims; c += kLanes) {
+    __m512i x[kLanes];
+    for (int j = 0; j < kLanes; ++j) x[j] = _mm512_loadu_si512(group + j * dims + c);
+    Transpose16x16(x);
+    for (int k = 0; k < kLanes; ++k) _mm512_storeu_si512(out + (c + k) * kLanes, x[k]);
+  }
+#elif defined(__AVX__)
+  for (int64_t c = 0; c < dims; c += 8) {
+    for (int h = 0; h < 2; ++h) {  // keys 8h .. 8h + 7
+      __m256 x[8];
+      for (int j = 0; j < 8; ++j) x[j] = _mm256_loadu_ps(group + (8 * h + j) * dims + c);
+      Transpose8x8(x);
+      for (int k = 0; k < 8; ++k) _mm256_storeu_ps(out + (c + k) * kLanes + 8 * h, x[k]);
+    }
+  }
+#else
+  for (int64_t d = 0; d < dims; ++d)
+    for (int j = 0; j < kLanes; ++j) out[d * kLanes + j] = group[j * dims + d];
+#endif
+}
+
+// GroupScores for N rows at once against the group's keys transposed (keys[d]: dimension
+// d of the 16 keys, a lane each), with the very same arithmetic: lane l's partial sum of
+// GroupScores is here a whole vector (every key's), q[l] * keys[l] + q[l + 16] * ..., and
+// Reduce16's butterfly becomes adds of those vectors in its order (l + 8, then + 4, + 2,
+// + 1), so the scores are bitwise GroupScores' (the same products fused into the same
+// adds: test_cpu_kernel_token_is_bitwise_independent_of_its_batch compares a decode, scored
+// by GroupScores, with the same token in a prefill chunk, scored here). No shuffles, and
+// each key vector read serves N rows: 14 ns per row and group of keys against GroupScores'
+// 19 (head_dim 64, operands in L1, 2-core AMX Xeon); a 500-token SmolLM2 prefill's
+// attention without AMX 49.5-51.5 ms against 53.5-54.6 (scripts/bench_attention.py, 3
+// interleaved rounds). A decode's few rows keep GroupScores: a transpose (~65 ns for 16
+// keys of 64 float32 values) would cost more than it saves them. V: 16 lanes, or 8 (one
+// of the two halves GroupScores' AVX2 code sums; keys then points at that half).
+template <typename V, int C, int N>
+JAXSERVE_FMA inline void GroupScoresTransposed(const float* const* q, const float* keys, int64_t chunks, float* out,
+                                               int64_t stride) {
+  const int64_t n = C > 0 ? C : chunks;
+  auto load = [](const float* p) {
+    V v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  };
+  // Lane l's partial sums of the N rows (GroupScores' a for lane l).
+  auto partial = [&](int l, V* x) {
+    const V k0 = load(keys + l * kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < N; ++r) x[r] = q[r][l] * k0;
+#pragma GCC unroll 8
+    for (int64_t c = 1; c < n; ++c) {
+      const V k = load(keys + (c * kLanes + l) * kLanes);
+#pragma GCC unroll 8
+      for (int r = 0; r < N; ++r) x[r] = q[r][c * kLanes + l] * k + x[r];
+    }
+  };
+  // Fully unrolled, so that the arrays below live in registers (~5 per row at a time).
+  V u[2][N];
+#pragma GCC unroll 2
+  for (int a = 0; a < 2; ++a) {  // u_a = z_a + z_(a+2)
+    V z[2][N];
+#pragma GCC unroll 2
+    for (int b = 0; b < 2; ++b) {  // z_l = y_l + y_(l+4), l = a + 2b
+      V y[2][N];
+#pragma GCC unroll 2
+      for (int e = 0; e < 2; ++e) {  // y_l = x_l + x_(l+8), l = a + 2b + 4e
+        V x0[N], x1[N];
+        partial(a + 2 * b + 4 * e, x0);
+        partial(a + 2 * b + 4 * e + 8, x1);
+#pragma GCC unroll 8
+        for (int r = 0; r < N; ++r) y[e][r] = x0[r] + x1[r];
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < N; ++r) z[b][r] = y[0][r] + y[1][r];
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < N; ++r) u[a][r] = z[0][r] + z[1][r];
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < N; ++r) {
+    const V score = u[0][r] + u[1][r];
+    std::memcpy(out + r * stride, &score, sizeof score);
+  }
+}
+
 // acc[r] += sum over the group's 16 keys j, in ascending order, of p[r][j] * V[j], for R
 // rows. A probability of 0 (outside the row's positions) adds an exact zero.
 //
@@ -558,7 +698,8 @@ JAXSERVE_FMA inline void GroupValues(Lanes* acc, const float* const* p, const La
 // so a K or V row lives in registers; 0 for any other head_dim (zero-padded chunks).
 //
 // Keys are taken in groups of 16 positions starting at multiples of 16, widened to
-// float32 once per tile into a small buffer; every row of the tile reads them there.
+// float32 (for a tile of many rows also transposed) once per tile into a small buffer;
+// every row of the tile reads them there.
 template <typename T, int C>
 class TileRunner {
  public:
@@ -566,6 +707,16 @@ class TileRunner {
 
   // Rows of a tile summed together in GroupValues (their accumulators fit in registers).
   static constexpr int kValueRows = C >= 8 ? 2 : C >= 4 ? 4 : 8;
+  // Rows scored together by GroupScoresTransposed (~5 of its vectors per row stay in
+  // registers: 32 of them with AVX-512, 16 of half the width without), and the fewest
+  // rows of a tile for which transposing its keys pays (~5 ns saved per row against
+  // 25-65 ns per group's transpose).
+#ifdef __AVX512F__
+  static constexpr int kScoreRows = 4;
+#else
+  static constexpr int kScoreRows = 2;
+#endif
+  static constexpr int kTransposeRows = 12;
 
   void Run(const Tile& t) {
     const Problem& pb = pb_;
@@ -586,6 +737,7 @@ class TileRunner {
     const int64_t width = static_cast<int64_t>(groups) * kLanes;  // scores per row, from base
     scores_.resize(static_cast<size_t>(rows) * width);
     group_.resize(static_cast<size_t>(kLanes) * chunks);
+    keys_.resize(static_cast<size_t>(kLanes) * chunks);
 
     // Fetch ahead: the pages are scattered, and misses in flight beat one demand miss
     // after another. The first groups of K and V now; each LoadGroup then asks for the
@@ -595,13 +747,28 @@ class TileRunner {
       Prefetch(t.seq, pb.num_kv_heads + t.kv_head, base + g * kLanes, jlo, jhi);
     }
 
-    // 1. Scores, a group of 16 keys at a time (a row's scores outside [lo, pos] are not read).
+    // 1. Scores, a group of 16 keys at a time (a row's scores outside [lo, pos] are not
+    // read): per row, or with the keys transposed kScoreRows rows at a time, every block
+    // of rows of which one sees the group.
+    // (Not for head_dim <= 16: there the products would meet the butterfly's first adds
+    // directly, and GCC would fuse them into multiply-adds, GroupScores' scores no more.)
+    const bool transposed = rows >= kTransposeRows && chunks > 1;
     for (int32_t g = 0; g < groups; ++g) {
       const int32_t first = base + g * kLanes;
-      LoadGroup(t.seq, t.kv_head, first, jlo, jhi);
-      for (int r = 0; r < rows; ++r) {
-        if (first > pos_[r] || first + kLanes <= lo_[r]) continue;
-        GroupScores<C>(&qs_[r * chunks], group_.data(), chunks, &scores_[r * width + g * kLanes]);
+      if (!transposed) {
+        LoadGroup(t.seq, t.kv_head, first, jlo, jhi);
+        for (int r = 0; r < rows; ++r) {
+          if (first > pos_[r] || first + kLanes <= lo_[r]) continue;
+          GroupScores<C>(&qs_[r * chunks], group_.data(), chunks, &scores_[r * width + g * kLanes]);
+        }
+        continue;
+      }
+      LoadKeys(t.seq, t.kv_head, first, jlo, jhi);
+      for (int r0 = 0; r0 < rows; r0 += kScoreRows) {
+        const int n = std::min(kScoreRows, rows - r0);
+        bool any = false;
+        for (int r = r0; r < r0 + n; ++r) any |= first <= pos_[r] && first + kLanes > lo_[r];
+        if (any) ScoreRows(r0, n, &scores_[r0 * width + g * kLanes], width);
       }
     }
 
@@ -648,6 +815,65 @@ class TileRunner {
     });
   }
 
+  // GroupScoresTransposed of rows [r0, r0 + n) (n <= kScoreRows) against keys_ into out.
+  void ScoreRows(int r0, int n, float* out, int64_t width) const {
+    const int64_t chunks = C > 0 ? C : (pb_.head_dim + kLanes - 1) / kLanes;
+    const float* q[kScoreRows];
+    for (int r = 0; r < n; ++r) q[r] = reinterpret_cast<const float*>(&qs_[(r0 + r) * chunks]);
+    const float* keys = reinterpret_cast<const float*>(keys_.data());
+#ifdef __AVX512F__
+    switch (n) {
+      case 1: return GroupScoresTransposed<Lanes, C, 1>(q, keys, chunks, out, width);
+      case 2: return GroupScoresTransposed<Lanes, C, 2>(q, keys, chunks, out, width);
+      case 3: return GroupScoresTransposed<Lanes, C, 3>(q, keys, chunks, out, width);
+      default: return GroupScoresTransposed<Lanes, C, kScoreRows>(q, keys, chunks, out, width);
+    }
+#else
+    for (int h = 0; h < 2; ++h) {  // GroupScores' halves: keys 0-7, then 8-15
+      if (n == 1) {
+        GroupScoresTransposed<Lanes8, C, 1>(q, keys + 8 * h, chunks, out + 8 * h, width);
+      } else {
+        GroupScoresTransposed<Lanes8, C, kScoreRows>(q, keys + 8 * h, chunks, out + 8 * h, width);
+      }
+    }
+#endif
+  }
+
+  // The K rows of positions [first, first + 16) into keys_, transposed: keys_[d] holds
+  // dimension d of the 16 keys as float32, zero for rows outside [jlo, jhi) and past
+  // head_dim. A bfloat16 cache with AVX-512 goes straight from its rows: a 16 x 16
+  // transpose of 32-bit pairs of dimensions, each pair's halves then widened (exactly as
+  // ToFloat widens them), instead of widening 16 x head_dim values and transposing those.
+  void LoadKeys(int32_t seq, int64_t plane, int32_t first, int32_t jlo, int32_t jhi) {
+#ifdef __AVX512F__
+    if constexpr (std::is_same_v<T, uint16_t> && C > 0 && C % 2 == 0) {
+      Prefetch(seq, plane, first + kAhead * kLanes, jlo, jhi);
+      const uint16_t* rows[kLanes] = {};
+      PageRuns(pb_, seq, plane, std::max(first, jlo), std::min(first + kLanes, jhi),
+               [&](int64_t row, int32_t position, int32_t n) {
+                 for (int32_t i = 0; i < n; ++i) {
+                   rows[position - first + i] = static_cast<const uint16_t*>(pb_.kv) + (row + i) * pb_.head_dim;
+                 }
+               });
+      const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+      float* out = reinterpret_cast<float*>(keys_.data());
+      for (int c = 0; c < C / 2; ++c) {  // 32 dimensions: 16 pairs
+        __m512i x[kLanes];
+        for (int j = 0; j < kLanes; ++j) x[j] = rows[j] ? _mm512_loadu_si512(rows[j] + 32 * c) : _mm512_setzero_si512();
+        Transpose16x16(x);  // x[p]: dimensions 2p (low half) and 2p + 1 of every key
+        for (int p = 0; p < kLanes; ++p) {
+          _mm512_storeu_si512(out + (32 * c + 2 * p) * kLanes, _mm512_slli_epi32(x[p], 16));
+          _mm512_storeu_si512(out + (32 * c + 2 * p + 1) * kLanes, _mm512_and_si512(x[p], high));
+        }
+      }
+      return;
+    }
+#endif
+    LoadGroup(seq, plane, first, jlo, jhi);
+    const int64_t chunks = C > 0 ? C : (pb_.head_dim + kLanes - 1) / kLanes;
+    TransposeKeys(reinterpret_cast<const float*>(group_.data()), chunks * kLanes, keys_.data());
+  }
+
   // K or V rows of positions [first, first + 16) as float32 chunks into group_; rows
   // outside [jlo, jhi) (not this tile's to read) and lanes past head_dim are zero.
   void LoadGroup(int32_t seq, int64_t plane, int32_t first, int32_t jlo, int32_t jhi) {
@@ -682,7 +908,7 @@ class TileRunner {
 
   const Problem& pb_;
   std::vector<int32_t> pos_, lo_;
-  std::vector<Lanes> qs_, group_, acc_;  // [rows, chunks], [16, chunks], [rows, chunks]
+  std::vector<Lanes> qs_, group_, keys_, acc_;  // [rows, chunks], [16, chunks], [chunks * 16], [rows, chunks]
   std::vector<float> scores_, denom_;
 };
 
@@ -985,31 +1211,6 @@ class AmxTileRunner {
         for (int p = 0; p < 16; ++p) _mm512_storeu_si512(dst + p, x[p]);
       }
       loaded(g);
-    }
-  }
-
-  // x[n][k] -> x[k][n] for 16 vectors of 16 32-bit lanes: pairs, then quads within each
-  // 128-bit lane, then a 4 x 4 transpose of the lanes.
-  static void Transpose16x16(__m512i* x) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 8; ++i) {
-      t[2 * i] = _mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
-      t[2 * i + 1] = _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) {  // u[4i + j], lane L: rows 4i..4i+3 of column 4L + j
-      u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-      u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-      u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-      u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int j = 0; j < 4; ++j) {
-      const __m512i a0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), a1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
-      const __m512i b0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44),
-                    b1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
-      x[j] = _mm512_shuffle_i32x4(a0, b0, 0x88);
-      x[4 + j] = _mm512_shuffle_i32x4(a0, b0, 0xdd);
-      x[8 + j] = _mm512_shuffle_i32x4(a1, b1, 0x88);
-      x[12 + j] = _mm512_shuffle_i32x4(a1, b1, 0xdd);
     }
   }
 
