@@ -412,14 +412,22 @@ bool PartsAgree(int64_t rows, int64_t k, int64_t n, int64_t part, bool f32, cons
 // (the rest pad the token bucket): `used` (at least 1) rounded up to a multiple of
 // kRowQuantum, at most M (all of them where `used` is out of range). A 300-token prompt in
 // the 512-token bucket ran 512 rows of every matmul. A row's bits do not depend on how many
-// rows share the call (tests/test_cpu_matmul.py), and the quantum bounds the primitives
-// (and per-shape checks) one shape needs: M / 32.
-constexpr int64_t kRowQuantum = 32;
+// rows share the call from 8 rows up (tests/test_cpu_matmul.py), the model's fewest. Each
+// row count costs a primitive per shape (and its checks), 5-20 ms on its first step (M / 8
+// of them at most, once per process); against 32 rows, 8 took a 270-token prefill's matmuls
+// from 324-336 to 305-311 ms with AVX-512 BF16 (AMX off, 2-core Xeon) and left AMX's
+// unchanged (its tiles take 16 rows). oneDNN's plain GEMM (float32 without AVX-512) keeps
+// multiples of 32, the row counts its row independence was checked at: emulated here
+// (ONEDNN_MAX_CPU_ISA=AVX2), it gave the last two rows of some counts other bits (8, 32, 56,
+// ... rows; its blocking follows the CPU's caches, so another CPU may differ).
+constexpr int64_t kRowQuantum = 8, kGemmRowQuantum = 32;
 
-int64_t RowsInUse(int64_t m, const ffi::Buffer<ffi::S32>& used) {
+// Throws dnnl::error.
+int64_t RowsInUse(int64_t m, int64_t k, int64_t n, bool f32, const ffi::Buffer<ffi::S32>& used) {
   const int64_t u = used.element_count() ? used.typed_data()[0] : m;
   if (u < 0 || u >= m) return m;
-  return std::min(m, (std::max<int64_t>(u, 1) + kRowQuantum - 1) / kRowQuantum * kRowQuantum);
+  const int64_t q = Primitive(std::min(m, kMaxGemmRows), k, n, f32)->gemm ? kGemmRowQuantum : kRowQuantum;
+  return std::min(m, (std::max<int64_t>(u, 1) + q - 1) / q * q);
 }
 
 // x [M, K] @ w[layer] -> out [slices, M, N / slices]: slice i (columns [i * N / slices,
@@ -438,9 +446,14 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> p
     return ffi::Error::InvalidArgument("x must be float32 or bfloat16 (the packed weights' dtype)");
   }
   const int64_t rows_in_call = xd[0], k = xd[1], slices = od[0], width = od[2];
-  const int64_t m = RowsInUse(rows_in_call, used);  // the rows computed; the rest come out zero
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument("layer " + std::to_string(l) + " is not in packed");
+  int64_t m;  // the rows computed; the rest come out zero
+  try {
+    m = RowsInUse(rows_in_call, k, width, f32, used);
+  } catch (const dnnl::error& e) {
+    return ffi::Error::Internal(std::string("oneDNN matmul: ") + e.what());
+  }
   for (int64_t i = 0; i < slices && m < rows_in_call; ++i) {
     std::memset(out->typed_data() + (i * rows_in_call + m) * width, 0, (rows_in_call - m) * width * sizeof(float));
   }
@@ -598,9 +611,15 @@ ffi::Error MatmulSwiGlu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   if ((!f32 && x.element_type() != ffi::DataType::BF16) || out->element_type() != x.element_type()) {
     return ffi::Error::InvalidArgument("x and out must both be float32 or both bfloat16 (the packed weights' dtype)");
   }
-  const int64_t m = RowsInUse(xd[0], used), k = xd[1], width = od[1] / slices;  // the rows computed
+  const int64_t k = xd[1], width = od[1] / slices;
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument("layer " + std::to_string(l) + " is not in packed");
+  int64_t m;  // the rows computed; the rest come out zero
+  try {
+    m = RowsInUse(xd[0], k, 2 * width, f32, used);
+  } catch (const dnnl::error& e) {
+    return ffi::Error::Internal(std::string("oneDNN matmul: ") + e.what());
+  }
   const size_t out_row_bytes = static_cast<size_t>(od[1]) * (f32 ? 4 : 2);
   std::memset(static_cast<char*>(out->untyped_data()) + m * out_row_bytes, 0, (xd[0] - m) * out_row_bytes);
   std::shared_ptr<const SwiGluPlan> plan;

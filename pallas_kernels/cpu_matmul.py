@@ -231,9 +231,11 @@ def swiglu_part(m: int, k: int, i: int, dtype) -> int:
     return int(part)
 
 
-# Rows a call computes when only the first ``rows`` are in use: ``rows`` rounded up to a
-# multiple of this, at most M (cpu_matmul.cc: RowsInUse).
-ROW_QUANTUM = 32
+def row_quantum(k: int, n: int, dtype) -> int:
+    """Rows a call on a ``[k, n]`` weight computes when only the first ``rows`` are in use:
+    ``rows`` rounded up to a multiple of this, at most M (cpu_matmul.cc: RowsInUse): 8, or 32
+    on oneDNN's plain GEMM (float32 without AVX-512)."""
+    return 32 if impl(256, k, n, dtype).startswith("gemm") else 8
 
 
 def _rows_in_use(rows: jax.Array | int | None, m: int) -> jax.Array:
@@ -247,7 +249,7 @@ def matmul(
 ) -> jax.Array:
     """``x [M, K] @ w[layer] [K, N]`` accumulated in float32 (``[M, N]``), where ``packed``
     is ``[L, bytes]``: each layer's ``pack`` of a ``dtype`` weight. With ``rows``, only the
-    first ``rows`` rows (rounded up to ``ROW_QUANTUM``) are computed and the rest are zero."""
+    first ``rows`` rows (rounded up to ``row_quantum``) are computed and the rest are zero."""
     out = join_slices(matmul_slices(x.reshape(-1, x.shape[-1]), packed, layer, n, dtype, rows))
     return out.reshape(*x.shape[:-1], n)
 
