@@ -236,6 +236,18 @@ JAXSERVE_PREFETCHER void PageRuns(const Problem& pb, int32_t seq, int64_t plane,
   }
 }
 
+// The K or V rows (of head_dim T values) of positions [first, first + count) into rows,
+// nullptr outside [jlo, jhi) (not the tile's: read as zeros, as unwritten slots may hold
+// anything).
+template <typename T>
+void PlaneRows(const Problem& pb, int32_t seq, int64_t plane, int32_t first, int count, int32_t jlo, int32_t jhi,
+               const T** rows) {
+  for (int i = 0; i < count; ++i) rows[i] = nullptr;
+  PageRuns(pb, seq, plane, std::max(first, jlo), std::min(first + count, jhi), [&](int64_t row, int32_t position, int32_t n) {
+    for (int32_t i = 0; i < n; ++i) rows[position - first + i] = static_cast<const T*>(pb.kv) + (row + i) * pb.head_dim;
+  });
+}
+
 // The D values of token `token` from column `col` of the product (Problem::q) where
 // they lie whole in one slice and need no rotation, else in buf (2 * D floats). The
 // rotation (`rotate` and cos given) is rotate_half_rope's (common.py), v * cos +
@@ -848,13 +860,8 @@ class TileRunner {
 #ifdef __AVX512F__
     if constexpr (std::is_same_v<T, uint16_t> && C > 0 && C % 2 == 0) {
       Prefetch(seq, plane, first + kAhead * kLanes, jlo, jhi);
-      const uint16_t* rows[kLanes] = {};
-      PageRuns(pb_, seq, plane, std::max(first, jlo), std::min(first + kLanes, jhi),
-               [&](int64_t row, int32_t position, int32_t n) {
-                 for (int32_t i = 0; i < n; ++i) {
-                   rows[position - first + i] = static_cast<const uint16_t*>(pb_.kv) + (row + i) * pb_.head_dim;
-                 }
-               });
+      const uint16_t* rows[kLanes];
+      PlaneRows(pb_, seq, plane, first, kLanes, jlo, jhi, rows);
       const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
       float* out = reinterpret_cast<float*>(keys_.data());
       for (int c = 0; c < C / 2; ++c) {  // 32 dimensions: 16 pairs
@@ -1159,16 +1166,6 @@ class AmxTileRunner {
     if constexpr (N > 3) _tile_stored(3, out + 48, width * 4);
   }
 
-  // The K or V rows of positions [first, first + count) into rows, nullptr outside [jlo,
-  // jhi) (not the tile's: read as zeros, as unwritten slots may hold anything).
-  void Rows(int32_t seq, int64_t plane, int32_t first, int count, int32_t jlo, int32_t jhi, const uint16_t** rows) const {
-    const int32_t from = std::max(first, jlo), to = std::min(first + count, jhi);
-    for (int i = 0; i < count; ++i) rows[i] = nullptr;
-    const int64_t D = pb_.head_dim;
-    PageRuns(pb_, seq, plane, from, to, [&](int64_t row, int32_t position, int32_t n) {
-      for (int32_t i = 0; i < n; ++i) rows[position - first + i] = Kv() + (row + i) * D;
-    });
-  }
   const uint16_t* Kv() const { return static_cast<const uint16_t*>(pb_.kv); }
   const uint16_t* PageRow(int32_t seq, int64_t plane, int32_t position) const {
     const Problem& pb = pb_;
@@ -1202,7 +1199,7 @@ class AmxTileRunner {
     for (int32_t g = 0; g < blocks * 2; ++g) {
       Prefetch(t.seq, t.kv_head, base + (g + kAhead) * 16, jlo, jhi);
       const uint16_t* k[16];
-      Rows(t.seq, t.kv_head, base + g * 16, 16, jlo, jhi, k);
+      PlaneRows(pb_, t.seq, t.kv_head, base + g * 16, 16, jlo, jhi, k);
       for (int64_t c = 0; c < chunks; ++c) {
         __m512i x[16];
         for (int n = 0; n < 16; ++n) x[n] = k[n] ? _mm512_loadu_si512(k[n] + c * 32) : _mm512_setzero_si512();
@@ -1223,7 +1220,7 @@ class AmxTileRunner {
     const __m256i zero = _mm256_setzero_si256();
     for (int32_t b = 0; b < blocks; ++b) {
       const uint16_t* v[32];
-      Rows(t.seq, plane, base + b * 32, 32, jlo, jhi, v);
+      PlaneRows(pb_, t.seq, plane, base + b * 32, 32, jlo, jhi, v);
       for (int k = 0; k < 16; ++k) {
         const uint16_t *even = v[2 * k], *odd = v[2 * k + 1];
         for (int64_t c = 0; c < columns; ++c) {
