@@ -422,11 +422,13 @@ bool PartsAgree(int64_t rows, int64_t k, int64_t n, int64_t part, bool f32, cons
 // ... rows; its blocking follows the CPU's caches, so another CPU may differ).
 constexpr int64_t kRowQuantum = 8, kGemmRowQuantum = 32;
 
-// Throws dnnl::error.
+// Which quantum applies is asked of the kMaxGemmRows-row primitive, whatever M: as
+// cpu_matmul.py's row_quantum does, and never a few rows' (AMX's tile loop would then check
+// its bits for a row count the call may not run). Throws dnnl::error.
 int64_t RowsInUse(int64_t m, int64_t k, int64_t n, bool f32, const ffi::Buffer<ffi::S32>& used) {
   const int64_t u = used.element_count() ? used.typed_data()[0] : m;
   if (u < 0 || u >= m) return m;
-  const int64_t q = Primitive(std::min(m, kMaxGemmRows), k, n, f32)->gemm ? kGemmRowQuantum : kRowQuantum;
+  const int64_t q = Primitive(kMaxGemmRows, k, n, f32)->gemm ? kGemmRowQuantum : kRowQuantum;
   return std::min(m, (std::max<int64_t>(u, 1) + q - 1) / q * q);
 }
 
