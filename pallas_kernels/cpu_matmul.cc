@@ -15,7 +15,8 @@
 // One packed layout serves every row count: the one oneDNN picks for kPackRows rows,
 // with one primitive per row count over it (cached). The layout fixes how K is blocked,
 // so a row's output does not depend on how many rows share the call, from 8 rows up
-// (tests/test_cpu_matmul.py; the model never calls with fewer).
+// (tests/test_cpu_matmul.py; the model never calls with fewer, though fewer may be in use:
+// a decode's rows then run alone where that gives the same bits, FewRowsAgree).
 //
 // Without AVX-512, oneDNN 3.2 runs float32 through its GEMM on plain weights ("gemm:jit"),
 // which switches from its no-copy kernel to a copy-based one, with another summation
@@ -422,14 +423,42 @@ bool PartsAgree(int64_t rows, int64_t k, int64_t n, int64_t part, bool f32, cons
 // ... rows; its blocking follows the CPU's caches, so another CPU may differ).
 constexpr int64_t kRowQuantum = 8, kGemmRowQuantum = 32;
 
-// Which quantum applies is asked of the kMaxGemmRows-row primitive, whatever M: as
-// cpu_matmul.py's row_quantum does, and never a few rows' (AMX's tile loop would then check
-// its bits for a row count the call may not run). Throws dnnl::error.
-int64_t RowsInUse(int64_t m, int64_t k, int64_t n, bool f32, const ffi::Buffer<ffi::S32>& used) {
-  const int64_t u = used.element_count() ? used.typed_data()[0] : m;
+// Whether oneDNN's primitive for u < kRowQuantum rows of [k, n] slices gives, row for row,
+// the bits of its kRowQuantum-row call, on pseudo-random operands (checked once per row
+// count and shape): then a decode's few rows run alone, where they would compute 8. Not
+// where AMX's tiles run bfloat16 (TileMatmul: 16-row tiles, 1 row costs what 8 do), nor on
+// the plain GEMM (whose row independence holds at multiples of 32 only). On a 2-core AMX
+// Xeon with AMX off, oneDNN 3.2's avx512_core_bf16 kernel agreed for every shape of
+// SmolLM2 and took 98 against 182 us for one row of a [576, 1536] slice, 1.9 against 3.1
+// ms for the LM head's; a lone decode 24.5-27.1 -> 17.7-19.2 ms/token. Throws dnnl::error.
+bool FewRowsAgree(int64_t u, int64_t k, int64_t n, bool f32) {
+  return Cached(std::make_tuple(u, k, n, f32), [&] {
+#ifdef JAXSERVE_HAVE_AMX
+    if (!f32 && jaxserve::AmxUsable()) return false;
+#endif
+    if (Primitive(kMaxGemmRows, k, n, f32)->gemm) return false;
+    const Operands ops = RandomOperands(kRowQuantum, k, n, f32);
+    std::vector<float> theirs(kRowQuantum * n), ours(u * n);
+    Execute(*Primitive(kRowQuantum, k, n, f32), ops.x.data(), ops.packed.data(), theirs.data());
+    Execute(*Primitive(u, k, n, f32), ops.x.data(), ops.packed.data(), ours.data());
+    return std::memcmp(theirs.data(), ours.data(), ours.size() * sizeof(float)) == 0;
+  });
+}
+
+// The rows an M-row call computes when the first u hold the step's tokens (RowsInUse).
+// Which quantum applies is asked of the kMaxGemmRows-row primitive, whatever M, and never
+// a few rows' (AMX's tile loop would then check its bits for a row count the call may not
+// run). cpu_matmul.py asks the same (rows_computed). Throws dnnl::error.
+int64_t RowsComputed(int64_t u, int64_t m, int64_t k, int64_t n, bool f32) {
   if (u < 0 || u >= m) return m;
+  u = std::max<int64_t>(u, 1);
+  if (u < kRowQuantum && FewRowsAgree(u, k, n, f32)) return u;
   const int64_t q = Primitive(kMaxGemmRows, k, n, f32)->gemm ? kGemmRowQuantum : kRowQuantum;
-  return std::min(m, (std::max<int64_t>(u, 1) + q - 1) / q * q);
+  return std::min(m, (u + q - 1) / q * q);
+}
+
+int64_t RowsInUse(int64_t m, int64_t k, int64_t n, bool f32, const ffi::Buffer<ffi::S32>& used) {
+  return RowsComputed(used.element_count() ? used.typed_data()[0] : m, m, k, n, f32);
 }
 
 // x [M, K] @ w[layer] -> out [slices, M, N / slices]: slice i (columns [i * N / slices,
@@ -783,6 +812,17 @@ const char* JaxserveMatmulImpl(int64_t m, int64_t k, int64_t n, int f32) {
     impl.clear();
   }
   return impl.c_str();
+}
+
+// The rows an m-row call on a [k, n] slice computes when `used` are in use (RowsComputed),
+// or -1 on error (JaxserveLastError says why).
+int64_t JaxserveRowsComputed(int64_t used, int64_t m, int64_t k, int64_t n, int f32) {
+  try {
+    return RowsComputed(used, m, k, n, f32 != 0);
+  } catch (const dnnl::error& e) {
+    last_error = e.what();
+    return -1;
+  }
 }
 
 // Whether m-row calls on a [k, n] slice of bfloat16 weights run as TileMatmul (1), as

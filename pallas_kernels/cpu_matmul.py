@@ -13,7 +13,9 @@ same way and returns ``silu(gate) * up`` from the same call (``pack_swiglu``'s s
 hold their gate and up columns).
 A decode's calls (up to 32 rows) of bfloat16 weights on an AMX CPU run the kernel's own
 tile loop over the same packed bytes instead of oneDNN's primitive: it gives oneDNN's bits
-(checked per shape; ``uses_tiles``) and streams the weight faster.
+(checked per shape; ``uses_tiles``) and streams the weight faster. Without AMX (AVX-512
+BF16), fewer than 8 rows in use run the kernel's own vector loop, which computes only those
+rows (oneDNN's fewest row-independent call is 8) with oneDNN's bits (``rows_computed``).
 
 The library is oneDNN's CPU build from PyPI (``onednn-cpu-gomp``, headers in
 ``onednn-devel-cpu-gomp``; x86-64 Linux), compiled against on first use with the other
@@ -74,6 +76,8 @@ def _lib() -> tuple[ctypes.CDLL | None, str]:
     ]  # fmt: skip
     lib.JaxserveMatmulImpl.restype = ctypes.c_char_p
     lib.JaxserveMatmulImpl.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.JaxserveRowsComputed.restype = ctypes.c_int64
+    lib.JaxserveRowsComputed.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int]
     lib.JaxserveMatmulTiles.restype = ctypes.c_int
     lib.JaxserveMatmulTiles.argtypes = [ctypes.c_int64] * 3
     lib.JaxserveSwiGluPart.restype = ctypes.c_int64
@@ -231,11 +235,17 @@ def swiglu_part(m: int, k: int, i: int, dtype) -> int:
     return int(part)
 
 
-def row_quantum(k: int, n: int, dtype) -> int:
-    """Rows a call on a ``[k, n]`` weight computes when only the first ``rows`` are in use:
-    ``rows`` rounded up to a multiple of this, at most M (cpu_matmul.cc: RowsInUse): 8, or 32
-    on oneDNN's plain GEMM (float32 without AVX-512)."""
-    return 32 if impl(256, k, n, dtype).startswith("gemm") else 8
+def rows_computed(rows: int, m: int, k: int, n: int, dtype) -> int:
+    """Rows an ``m``-row call on a ``[k, n]`` weight computes when only the first ``rows``
+    are in use (cpu_matmul.cc: RowsComputed): ``rows`` rounded up to a multiple of 8 (32 on
+    oneDNN's plain GEMM, float32 without AVX-512), at most ``m``; ``rows`` itself below 8
+    where the kernel's own AVX-512 BF16 loop runs them (bfloat16 without AMX); all ``m``
+    where ``rows`` is out of range."""
+    lib = _checked()
+    done = lib.JaxserveRowsComputed(rows, m, k, n // slices(n, dtype), _is_f32(dtype))
+    if done < 0:
+        raise RuntimeError(f"oneDNN: {lib.JaxserveLastError().decode()}")
+    return int(done)
 
 
 def _rows_in_use(rows: jax.Array | int | None, m: int) -> jax.Array:
@@ -249,7 +259,7 @@ def matmul(
 ) -> jax.Array:
     """``x [M, K] @ w[layer] [K, N]`` accumulated in float32 (``[M, N]``), where ``packed``
     is ``[L, bytes]``: each layer's ``pack`` of a ``dtype`` weight. With ``rows``, only the
-    first ``rows`` rows (rounded up to ``row_quantum``) are computed and the rest are zero."""
+    first ``rows`` rows (``rows_computed``) are computed and the rest are zero."""
     out = join_slices(matmul_slices(x.reshape(-1, x.shape[-1]), packed, layer, n, dtype, rows))
     return out.reshape(*x.shape[:-1], n)
 

@@ -76,25 +76,40 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(k, n, dtype):
 @pytest.mark.parametrize("dtype", [BF16, np.float32])
 def test_a_calls_padding_rows_are_skipped_and_come_out_zero(dtype):
     """With ``rows`` (the step's tokens lead a token bucket's rows), matmul and swiglu
-    compute the first ``rows`` rounded up to row_quantum and write zeros below: the rows in
-    use are bitwise those of the whole call, and a 300-token step in the 512-row bucket
-    computes 304 rows (320 on oneDNN's plain GEMM), not 512."""
+    compute the first ``rows`` rounded up to 8 (32 on oneDNN's plain GEMM), or fewer than 8
+    alone where oneDNN gives them its 8-row call's bits (rows_computed), and write zeros below:
+    the rows in use are bitwise those of the whole call, and a 300-token step in the
+    512-row bucket computes 304 rows (320 on oneDNN's plain GEMM), not 512."""
     k, n, i = 576, 576, 1536
     stack = jnp.asarray(cpu_matmul.pack(_weight(k, n, dtype))[None])
     mlp = jnp.asarray(cpu_matmul.pack_swiglu(_weight(k, i, dtype, 3), _weight(k, i, dtype, 4))[None])
     x = jnp.asarray(np.random.default_rng(5).standard_normal((512, k)).astype(np.float32))
     mm = jax.jit(lambda x, w, rows: cpu_matmul.matmul(x, w, 0, n, dtype, rows))
     sw = jax.jit(lambda x, w, rows: cpu_matmul.swiglu(x, w, 0, i, dtype, rows))
-    quantum = cpu_matmul.row_quantum(k, n, dtype)
-    for f, w in ((mm, stack), (sw, mlp)):
+    quantum = 32 if cpu_matmul.impl(256, k, n, dtype).startswith("gemm") else 8
+    for f, w, width in ((mm, stack, n), (sw, mlp, 2 * i)):
         whole = np.asarray(f(x, w, 512), np.float32)
         assert whole.any(axis=1).all()  # so zeros in a call with rows are rows it skipped
-        for rows in (300, 320, 33, 1, 0):  # 0: a step of no new tokens (still 8 rows)
-            used = min(512, -(-max(rows, 1) // quantum) * quantum)
+        for rows in (300, 320, 33, 8, 7, 5, 3, 2, 1, 0):  # 0: a step of no new tokens (1 row, or 8)
+            used = cpu_matmul.rows_computed(rows, 512, k, width, dtype)
+            rounded = min(512, -(-max(rows, 1) // quantum) * quantum)
+            alone = max(rows, 1) if rows < 8 else rounded  # where oneDNN agrees (a must on _rows_alone)
+            assert used == alone if _rows_alone(dtype) else used in (rounded, alone)
             part = np.asarray(f(x, w, rows), np.float32)
             np.testing.assert_array_equal(part[:used], whole[:used])
             assert not part[used:].any(), (rows, used)
         np.testing.assert_array_equal(np.asarray(f(x, w, 600), np.float32), whole)  # out of range: all rows
+
+
+def _rows_alone(dtype) -> bool:
+    """Whether fewer than 8 rows of ``dtype`` must run alone here: bfloat16 where oneDNN runs
+    it on AVX-512 BF16 (no AMX, or AMX turned off), whose kernel gave its 8-row call's bits
+    for SmolLM2's shapes (a failed check would keep 8 rows, and lose a lone decode's speed
+    without a word)."""
+    return (
+        np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)
+        and cpu_matmul.impl(32, 576, 576, dtype) == "brg:avx512_core_bf16"
+    )
 
 
 @pytest.mark.skipif(
@@ -154,6 +169,19 @@ def test_swiglu_matches_silu_of_the_two_products(k, i, dtype):
         np.testing.assert_array_equal(outs[0], other)
 
 
+def _rerun(env: dict[str, str], tests: str) -> None:
+    """Reruns this file's tests matching ``tests`` (pytest -k) in a child process with
+    ``env`` added to the environment, and asserts they passed."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", __file__, "-k", tests],
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
 def test_oneDNNs_plain_gemm_keeps_rows_independent_too():
     """Without AVX-512 oneDNN runs float32 on its plain GEMM, which changes kernels past 256
     rows (cpu_matmul.cc): both matmul calls split larger calls into row blocks. Checked
@@ -165,26 +193,20 @@ def test_oneDNNs_plain_gemm_keeps_rows_independent_too():
     probe = "from pallas_kernels import cpu_matmul; print(cpu_matmul.impl(512, 576, 3072, 'float32'))"
     impl = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert impl.stdout.strip().startswith("gemm"), impl.stdout + impl.stderr[-2000:]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:xdist",
-            "-p",
-            "no:cacheprovider",
-            __file__,
-            "-k",
-            "a_row or swiglu",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    _rerun({"ONEDNN_MAX_CPU_ISA": "AVX2"}, "a_row or swiglu")
+
+
+def test_without_amx_a_decodes_few_rows_run_alone():
+    """Where oneDNN runs bfloat16 on AVX-512 BF16 (a CPU without AMX), fewer than 8 rows
+    in use run alone (a lone decode: 1 row where the call would compute 8), since oneDNN's
+    kernel gives them its 8-row call's bits (cpu_matmul.cc: FewRowsAgree). On an AMX CPU the
+    padding-rows test reruns in a child with AMX off (JAXSERVE_CPU_AMX=0, oneDNN capped at
+    AVX512_CORE_BF16)."""
+    if _rows_alone(ml_dtypes.bfloat16):
+        pytest.skip("oneDNN runs bfloat16 on AVX-512 BF16 here: the padding-rows test ran it")
+    if not cpu_matmul.impl(32, 576, 576, ml_dtypes.bfloat16).startswith("brg:avx512_core_amx"):
+        pytest.skip("no AVX-512 BF16 here")
+    _rerun({"JAXSERVE_CPU_AMX": "0", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, "padding_rows and bfloat16")
 
 
 def test_bad_inputs_are_refused_by_name():
