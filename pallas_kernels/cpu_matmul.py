@@ -13,9 +13,10 @@ same way and returns ``silu(gate) * up`` from the same call (``pack_swiglu``'s s
 hold their gate and up columns).
 A decode's calls (up to 32 rows) of bfloat16 weights on an AMX CPU run the kernel's own
 tile loop over the same packed bytes instead of oneDNN's primitive: it gives oneDNN's bits
-(checked per shape; ``uses_tiles``) and streams the weight faster. Without AMX (AVX-512
-BF16), fewer than 8 rows in use run the kernel's own vector loop, which computes only those
-rows (oneDNN's fewest row-independent call is 8) with oneDNN's bits (``rows_computed``).
+(checked per shape; ``uses_tiles``) and streams the weight faster. Without AMX, fewer
+than 8 rows in use (a decode's) run alone where oneDNN's call of that many rows gives its
+8-row call's bits (checked per row count and shape; ``rows_computed``): 8 rows is the
+fewest at which the layout keeps a row's bits independent of the call.
 
 The library is oneDNN's CPU build from PyPI (``onednn-cpu-gomp``, headers in
 ``onednn-devel-cpu-gomp``; x86-64 Linux), compiled against on first use with the other
@@ -239,8 +240,8 @@ def rows_computed(rows: int, m: int, k: int, n: int, dtype) -> int:
     """Rows an ``m``-row call on a ``[k, n]`` weight computes when only the first ``rows``
     are in use (cpu_matmul.cc: RowsComputed): ``rows`` rounded up to a multiple of 8 (32 on
     oneDNN's plain GEMM, float32 without AVX-512), at most ``m``; ``rows`` itself below 8
-    where the kernel's own AVX-512 BF16 loop runs them (bfloat16 without AMX); all ``m``
-    where ``rows`` is out of range."""
+    where oneDNN gives that many rows its 8-row call's bits (not on AMX's tiles, nor on the
+    plain GEMM); all ``m`` where ``rows`` is out of range."""
     lib = _checked()
     done = lib.JaxserveRowsComputed(rows, m, k, n // slices(n, dtype), _is_f32(dtype))
     if done < 0:
