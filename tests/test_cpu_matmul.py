@@ -93,23 +93,12 @@ def test_a_calls_padding_rows_are_skipped_and_come_out_zero(dtype):
         for rows in (300, 320, 33, 8, 7, 5, 3, 2, 1, 0):  # 0: a step of no new tokens (1 row, or 8)
             used = cpu_matmul.rows_computed(rows, 512, k, width, dtype)
             rounded = min(512, -(-max(rows, 1) // quantum) * quantum)
-            alone = max(rows, 1) if rows < 8 else rounded  # where oneDNN agrees (a must on _rows_alone)
-            assert used == alone if _rows_alone(dtype) else used in (rounded, alone)
+            alone = max(rows, 1) if rows < 8 else rounded  # where oneDNN agrees (FewRowsAgree)
+            assert used in (rounded, alone)
             part = np.asarray(f(x, w, rows), np.float32)
             np.testing.assert_array_equal(part[:used], whole[:used])
             assert not part[used:].any(), (rows, used)
         np.testing.assert_array_equal(np.asarray(f(x, w, 600), np.float32), whole)  # out of range: all rows
-
-
-def _rows_alone(dtype) -> bool:
-    """Whether fewer than 8 rows of ``dtype`` must run alone here: bfloat16 where oneDNN runs
-    it on AVX-512 BF16 (no AMX, or AMX turned off), whose kernel gave its 8-row call's bits
-    for SmolLM2's shapes (a failed check would keep 8 rows, and lose a lone decode's speed
-    without a word)."""
-    return (
-        np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16)
-        and cpu_matmul.impl(32, 576, 576, dtype) == "brg:avx512_core_bf16"
-    )
 
 
 @pytest.mark.skipif(
@@ -197,16 +186,31 @@ def test_oneDNNs_plain_gemm_keeps_rows_independent_too():
 
 
 def test_without_amx_a_decodes_few_rows_run_alone():
-    """Where oneDNN runs bfloat16 on AVX-512 BF16 (a CPU without AMX), fewer than 8 rows
-    in use run alone (a lone decode: 1 row where the call would compute 8), since oneDNN's
-    kernel gives them its 8-row call's bits (cpu_matmul.cc: FewRowsAgree). On an AMX CPU the
-    padding-rows test reruns in a child with AMX off (JAXSERVE_CPU_AMX=0, oneDNN capped at
-    AVX512_CORE_BF16)."""
-    if _rows_alone(ml_dtypes.bfloat16):
-        pytest.skip("oneDNN runs bfloat16 on AVX-512 BF16 here: the padding-rows test ran it")
-    if not cpu_matmul.impl(32, 576, 576, ml_dtypes.bfloat16).startswith("brg:avx512_core_amx"):
-        pytest.skip("no AVX-512 BF16 here")
-    _rerun({"JAXSERVE_CPU_AMX": "0", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, "padding_rows and bfloat16")
+    """Where oneDNN runs bfloat16 on AVX-512 BF16 (no AMX), fewer than 8 rows in use run
+    alone (a lone decode: 1 row where the call would compute 8) if oneDNN gives them its
+    8-row call's bits (cpu_matmul.cc: FewRowsAgree); the padding-rows test holds whatever
+    rows_computed claims to those bits. On an AMX CPU, a child with AMX off
+    (JAXSERVE_CPU_AMX=0, oneDNN capped at AVX512_CORE_BF16) must run 1 to 7 rows alone
+    (oneDNN 3.2 agreed for every shape there) and pass the padding-rows test."""
+    if not cpu_matmul.available("bfloat16") or not cpu_matmul.impl(32, 576, 576, ml_dtypes.bfloat16).startswith(
+        "brg:avx512_core_amx"
+    ):
+        pytest.skip("no AMX here: the padding-rows test ran this CPU's own path")
+    env = {"JAXSERVE_CPU_AMX": "0", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+    probe = (
+        "from pallas_kernels import cpu_matmul\n"
+        "print([cpu_matmul.rows_computed(u, 512, k, n, 'bfloat16') for u in (1, 7) for k, n in"
+        " ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152))])"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.stdout.strip() == str([1] * 5 + [7] * 5), child.stdout + child.stderr[-2000:]
+    _rerun(env, "padding_rows and bfloat16")
 
 
 def test_bad_inputs_are_refused_by_name():
