@@ -50,7 +50,12 @@ void RunOnPool(Pool& pool, int n, const std::function<void(int)>& fn) {
       st.pending.fetch_sub(1, std::memory_order_acq_rel);
     }
   };
-  const int helpers = std::min<int>(static_cast<int>(pool.num_threads()), n - 1);
+  // No more threads than cores: XLA may run this call on a thread outside its pool (then
+  // all of the pool's threads could join the caller) or on one of them, and a third thread
+  // on a 2-core machine only time-slices the other two (and spins in the pool's wait
+  // afterwards). Capped, a lone decode took 15.2-17.9 against 16.4-20.1 ms/token (2-core
+  // AMX Xeon, AMX on and off, 6 interleaved pairs); offline batches within run-to-run drift.
+  const int helpers = std::min({static_cast<int>(pool.num_threads()), Threads() - 1, n - 1});
   for (int h = 0; h < helpers; ++h) pool.Schedule([state, take] { take(*state); });
   take(*state);
   // A helper finishing its item: spin briefly, then yield, so a helper that a busy machine
