@@ -427,8 +427,8 @@ constexpr int64_t kRowQuantum = 8, kGemmRowQuantum = 32;
 // the bits of its kRowQuantum-row call, on pseudo-random operands (checked once per row
 // count and shape): then a decode's few rows run alone, where they would compute 8. Not
 // where AMX's tiles run bfloat16 (TileMatmul: 16-row tiles, 1 row costs what 8 do), nor on
-// the plain GEMM (whose row independence holds at multiples of 32 only; it fails the
-// check). On a 2-core AMX Xeon with AMX off, oneDNN 3.2's avx512_core_bf16 kernel agreed
+// the plain GEMM: its rows are independent at multiples of 32 only, so its 8-row call is no
+// reference (emulated here, 4-7 rows matched it and 1-3 did not). On a 2-core AMX Xeon with AMX off, oneDNN 3.2's avx512_core_bf16 kernel agreed
 // for every shape of SmolLM2 and took 104 against 174 us for one row of a cold [576, 1536]
 // slice, 2.0 against 2.9 ms for the LM head's (one thread); a lone decode 24.3-25.3 ->
 // 19.5-20.5 ms/token (float32 with AMX on: 32.7-33.7 -> 29.1-29.6). A kernel of our own
