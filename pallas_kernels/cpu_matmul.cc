@@ -428,12 +428,12 @@ constexpr int64_t kRowQuantum = 8, kGemmRowQuantum = 32;
 // count and shape): then a decode's few rows run alone, where they would compute 8. Not
 // where AMX's tiles run bfloat16 (TileMatmul: 16-row tiles, 1 row costs what 8 do), nor on
 // the plain GEMM: its rows are independent at multiples of 32 only, so its 8-row call is no
-// reference (emulated here, 4-7 rows matched it and 1-3 did not). On a 2-core AMX Xeon with AMX off, oneDNN 3.2's avx512_core_bf16 kernel agreed
-// for every shape of SmolLM2 and took 104 against 174 us for one row of a cold [576, 1536]
-// slice, 2.0 against 2.9 ms for the LM head's (one thread); a lone decode 24.3-25.3 ->
-// 19.5-20.5 ms/token (float32 with AMX on: 32.7-33.7 -> 29.1-29.6). A kernel of our own
-// (vdpbf16ps over the packed blocks, oneDNN's K chunks learnt per shape) was no faster at
-// 1 row and slower at 4-7. Throws dnnl::error.
+// reference (emulated here, 4-7 rows matched it and 1-3 did not). On a 2-core AMX Xeon with
+// AMX off, oneDNN 3.2's avx512_core_bf16 kernel agreed for every shape of SmolLM2 and took
+// 104 against 174 us for one row of a cold [576, 1536] slice, 2.0 against 2.9 ms for the LM
+// head's (one thread); a lone decode 24.3-25.3 -> 19.5-20.5 ms/token (float32 with AMX on:
+// 32.7-33.7 -> 29.1-29.6). A kernel of our own (vdpbf16ps over the packed blocks, oneDNN's
+// K chunks learnt per shape) was no faster at 1 row and slower at 4-7. Throws dnnl::error.
 bool FewRowsAgree(int64_t u, int64_t k, int64_t n, bool f32) {
   return Cached(std::make_tuple(u, k, n, f32), [&] {
 #ifdef JAXSERVE_HAVE_AMX
