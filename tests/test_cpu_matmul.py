@@ -158,16 +158,23 @@ def test_swiglu_matches_silu_of_the_two_products(k, i, dtype):
         np.testing.assert_array_equal(outs[0], other)
 
 
-def _rerun(env: dict[str, str], tests: str) -> None:
-    """Reruns this file's tests matching ``tests`` (pytest -k) in a child process with
-    ``env`` added to the environment, and asserts they passed."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", __file__, "-k", tests],
+def _child(env: dict[str, str], *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """This Python run with ``args`` in a child process, ``env`` added to the environment
+    (on the CPU): what oneDNN picks is fixed per process (ONEDNN_MAX_CPU_ISA, AMX's use)."""
+    return subprocess.run(
+        [sys.executable, *args],
         env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
+
+
+def _rerun(env: dict[str, str], tests: str) -> None:
+    """Reruns this file's tests matching ``tests`` (pytest -k) in a child process with
+    ``env`` added to the environment, and asserts they passed."""
+    flags = ("-q", "-p", "no:xdist", "-p", "no:cacheprovider", __file__, "-k", tests)
+    proc = _child(env, "-m", "pytest", *flags, timeout=600)
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
@@ -178,11 +185,10 @@ def test_oneDNNs_plain_gemm_keeps_rows_independent_too():
     reruns this file's row-independence tests (the SwiGLU call once had no such blocks)."""
     if cpu_matmul.impl(512, 576, 3072, np.float32).startswith("gemm"):
         pytest.skip("oneDNN's plain GEMM is this CPU's path: the tests above ran on it")
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "JAX_PLATFORMS": "cpu"}
-    probe = "from pallas_kernels import cpu_matmul; print(cpu_matmul.impl(512, 576, 3072, 'float32'))"
-    impl = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    env = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    impl = _child(env, "-c", "from pallas_kernels import cpu_matmul; print(cpu_matmul.impl(512, 576, 3072, 'float32'))")
     assert impl.stdout.strip().startswith("gemm"), impl.stdout + impl.stderr[-2000:]
-    _rerun({"ONEDNN_MAX_CPU_ISA": "AVX2"}, "a_row or swiglu")
+    _rerun(env, "a_row or swiglu")
 
 
 def test_without_amx_a_decodes_few_rows_run_alone():
@@ -202,13 +208,7 @@ def test_without_amx_a_decodes_few_rows_run_alone():
         "print([cpu_matmul.rows_computed(u, 512, k, n, 'bfloat16') for u in (1, 7) for k, n in"
         " ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152))])"
     )
-    child = subprocess.run(
-        [sys.executable, "-c", probe],
-        env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    child = _child(env, "-c", probe)
     assert child.stdout.strip() == str([1] * 5 + [7] * 5), child.stdout + child.stderr[-2000:]
     _rerun(env, "padding_rows and bfloat16")
 
