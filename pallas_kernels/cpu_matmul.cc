@@ -32,6 +32,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -424,28 +425,42 @@ bool PartsAgree(int64_t rows, int64_t k, int64_t n, int64_t part, bool f32, cons
 constexpr int64_t kRowQuantum = 8, kGemmRowQuantum = 32;
 
 // Whether oneDNN's primitive for u < kRowQuantum rows of [k, n] slices gives, row for row,
-// the bits of its kRowQuantum-row call, on pseudo-random operands (checked once per row
-// count and shape): then a decode's few rows run alone, where they would compute 8. Not
-// where AMX's tiles run bfloat16 (TileMatmul: 16-row tiles, 1 row costs what 8 do), nor on
-// the plain GEMM: its rows are independent at multiples of 32 only, so its 8-row call is no
-// reference (emulated here, 4-7 rows matched it and 1-3 did not). On a 2-core AMX Xeon with
-// AMX off, oneDNN 3.2's avx512_core_bf16 kernel agreed for every shape of SmolLM2 and took
-// 104 against 174 us for one row of a cold [576, 1536] slice, 2.0 against 2.9 ms for the LM
-// head's (one thread); a lone decode 24.3-25.3 -> 19.5-20.5 ms/token (float32 with AMX on:
-// 32.7-33.7 -> 29.1-29.6). A kernel of our own (vdpbf16ps over the packed blocks, oneDNN's
-// K chunks learnt per shape) was no faster at 1 row and slower at 4-7. Throws dnnl::error.
+// the bits of its kRowQuantum-row call, on pseudo-random operands: then a decode's few rows
+// run alone, where they would compute 8. Not where AMX's tiles run bfloat16 (TileMatmul:
+// 16-row tiles, 1 row costs what 8 do), nor on the plain GEMM: its rows are independent at
+// multiples of 32 only, so its 8-row call is no reference (emulated here, 4-7 rows matched
+// it and 1-3 did not). On a 2-core AMX Xeon with AMX off, oneDNN 3.2's avx512_core_bf16
+// kernel agreed for every shape of SmolLM2 and took 104 against 174 us for one row of a
+// cold [576, 1536] slice, 2.0 against 2.9 ms for the LM head's (one thread); a lone decode
+// 24.3-25.3 -> 19.5-20.5 ms/token (float32 with AMX on: 32.7-33.7 -> 29.1-29.6). A kernel
+// of our own (vdpbf16ps over the packed blocks, oneDNN's K chunks learnt per shape) was no
+// faster at 1 row and slower at 4-7.
+//
+// Every row count of a shape is checked at once, on the same operands against one
+// reference product, when the first is asked for (the model's warm-up runs a one-token
+// step for this): the LM head's slice took 12-26 ms per row count checked alone (~110 ms
+// for 1-7 rows, each on the first step of its batch size), against ~30 ms for all seven.
+// Throws dnnl::error.
+std::atomic<int64_t> few_rows_checks{0};  // shapes FewRowsAgree has looked at (for the tests)
+
 bool FewRowsAgree(int64_t u, int64_t k, int64_t n, bool f32) {
-  return Cached(std::make_tuple(u, k, n, f32), [&] {
+  const auto agree = Cached(std::make_tuple(k, n, f32), [&] {
+    few_rows_checks.fetch_add(1, std::memory_order_relaxed);
+    std::array<bool, kRowQuantum> agree{};  // by row count; none where they do not run alone
 #ifdef JAXSERVE_HAVE_AMX
-    if (!f32 && jaxserve::AmxUsable()) return false;
+    if (!f32 && jaxserve::AmxUsable()) return agree;
 #endif
-    if (Primitive(kMaxGemmRows, k, n, f32)->gemm) return false;
+    if (Primitive(kMaxGemmRows, k, n, f32)->gemm) return agree;
     const Operands ops = RandomOperands(kRowQuantum, k, n, f32);
-    std::vector<float> theirs(kRowQuantum * n), ours(u * n);
+    std::vector<float> theirs(kRowQuantum * n), ours(kRowQuantum * n);
     Execute(*Primitive(kRowQuantum, k, n, f32), ops.x.data(), ops.packed.data(), theirs.data());
-    Execute(*Primitive(u, k, n, f32), ops.x.data(), ops.packed.data(), ours.data());
-    return std::memcmp(theirs.data(), ours.data(), ours.size() * sizeof(float)) == 0;
+    for (int64_t rows = 1; rows < kRowQuantum; ++rows) {
+      Execute(*Primitive(rows, k, n, f32), ops.x.data(), ops.packed.data(), ours.data());
+      agree[rows] = std::memcmp(theirs.data(), ours.data(), rows * n * sizeof(float)) == 0;
+    }
+    return agree;
   });
+  return u > 0 && u < kRowQuantum && agree[u];
 }
 
 // The rows an M-row call computes when the first u hold the step's tokens (RowsInUse).
@@ -827,6 +842,9 @@ int64_t JaxserveRowsComputed(int64_t used, int64_t m, int64_t k, int64_t n, int 
     return -1;
   }
 }
+
+// How many slice shapes have had their few-row checks (FewRowsAgree) in this process.
+int64_t JaxserveFewRowsChecks() { return few_rows_checks.load(std::memory_order_relaxed); }
 
 // Whether m-row calls on a [k, n] slice of bfloat16 weights run as TileMatmul (1), as
 // oneDNN's primitive (0), or failed to build (-1; JaxserveLastError says why).

@@ -79,6 +79,8 @@ def _lib() -> tuple[ctypes.CDLL | None, str]:
     lib.JaxserveMatmulImpl.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.JaxserveRowsComputed.restype = ctypes.c_int64
     lib.JaxserveRowsComputed.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int]
+    lib.JaxserveFewRowsChecks.restype = ctypes.c_int64
+    lib.JaxserveFewRowsChecks.argtypes = []
     lib.JaxserveMatmulTiles.restype = ctypes.c_int
     lib.JaxserveMatmulTiles.argtypes = [ctypes.c_int64] * 3
     lib.JaxserveSwiGluPart.restype = ctypes.c_int64
@@ -247,6 +249,13 @@ def rows_computed(rows: int, m: int, k: int, n: int, dtype) -> int:
     if done < 0:
         raise RuntimeError(f"oneDNN: {lib.JaxserveLastError().decode()}")
     return int(done)
+
+
+def few_rows_checks() -> int:
+    """How many slice shapes have had the per-shape check that decides whether fewer than 8
+    rows in use run alone (``rows_computed``) in this process: a model's warm-up does them
+    all, so no request waits for one."""
+    return int(_checked().JaxserveFewRowsChecks())
 
 
 def _rows_in_use(rows: jax.Array | int | None, m: int) -> jax.Array:

@@ -119,3 +119,79 @@ def test_seeded_sampling_is_batch_independent(tiny):
 def test_no_compile_after_warmup(tiny):
     _, llm, _, _ = tiny
     assert llm.stats()["num_compiles"] == llm.compiles_after_warmup
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_packed_lm_head_computes_the_sequences_rows_only(tiny_model_dir, dtype):
+    """oneDNN's LM head is told how many of the sequence bucket's slots hold sequences
+    (AttentionMetadata.num_logits) and computes those rows only (rows_computed: a lone one
+    by itself where that keeps oneDNN's 8-row bits): a lone decode streams SmolLM2's 57 MB
+    head for one row, not eight. The sequence's logits are bitwise those of every row
+    computed, and the padding slots' come out zero where they were skipped."""
+    import dataclasses
+
+    import numpy as np
+
+    from jaxserve.runner.batch import ScheduledSeq
+    from pallas_kernels import cpu_matmul
+
+    if not cpu_matmul.available(dtype):
+        pytest.skip(f"no oneDNN {dtype} matmul on this CPU")
+    path, hf = tiny_model_dir("llama3")
+    llm = _make_llm(path, dtype=dtype, warmup=False, num_pages=64)
+    runner = llm.runner
+    assert llm.plan.matmul == "onednn"
+    b = runner.pack([ScheduledSeq([5, 6, 7], 0, llm.kv.pool.allocate(1))])
+    assert len(b.md.kv_lens) == 8 and int(b.md.num_logits) == 1  # one sequence, a bucket of 8 slots
+
+    def logits(md):
+        runner.kv_cache, out = runner._forward(runner.state, runner.kv_cache, md, b.feed_rows, runner._no_feed)
+        return np.asarray(out, np.float32)
+
+    ours, every = logits(b.md), logits(dataclasses.replace(b.md, num_logits=None))
+    np.testing.assert_array_equal(ours[0], every[0])
+    assert every[1:].any() and (every[1:] == every[1]).all()  # the padding slots all read token row 0
+    k, v = hf.config.hidden_size, hf.config.vocab_size
+    used = cpu_matmul.rows_computed(1, 8, k, v, dtype)
+    assert not ours[used:].any()
+    np.testing.assert_array_equal(ours[1:used], every[1:used])
+
+
+def test_warmup_does_the_matmul_kernels_few_row_checks(tiny_model_dir):
+    """oneDNN's kernel decides per slice shape, on its first call with fewer than 8 rows in
+    use, whether they can run alone (cpu_matmul.rows_computed); the warm-up's one-token
+    step makes those calls, so the first requests (a lone one, then three at once) wait for
+    no check. In a child process: the checks are kept per process, and this one's other
+    tests have done them already."""
+    import os
+    import subprocess
+    import sys
+
+    from pallas_kernels import cpu_matmul
+
+    if not cpu_matmul.available("float32"):
+        pytest.skip("no oneDNN matmul on this CPU")
+    path, _ = tiny_model_dir("llama3")
+    script = (
+        "import sys\n"
+        "from jaxserve import LLM, SamplingParams\n"
+        "from pallas_kernels import cpu_matmul\n"
+        "llm = LLM(sys.argv[1], dtype='float32', page_size=16, max_num_seqs=16, max_num_batched_tokens=64,"
+        " num_pages=800, progress=False, enable_prefix_caching=False)\n"  # the module's: its programs are stored
+        "assert llm.plan.matmul == 'onednn'\n"
+        "warm = cpu_matmul.few_rows_checks()\n"
+        "p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)\n"
+        "llm.generate([[5, 6, 7]], p)\n"
+        "llm.generate([[5], [6, 7], [8, 9, 10]], p)\n"
+        "print(warm, cpu_matmul.few_rows_checks())\n"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", script, str(path)],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    warm, after = map(int, child.stdout.split()[-2:])
+    assert warm >= 4 and after == warm, child.stdout  # qkv, o, gate|up, down and the head: all at warm-up

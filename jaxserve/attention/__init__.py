@@ -54,6 +54,9 @@ class AttentionMetadata:
     kv_lens: jax.Array  # [S] int32, this step's tokens included
     page_table: jax.Array  # [S, pages_per_seq] int32
     logits_indices: jax.Array  # [S] int32, token row whose logits each sequence needs
+    # [] int32: how many leading entries of logits_indices are in use (the step's sequences;
+    # the rest pad S), so the LM head can skip the padding's rows; None: all of them
+    num_logits: jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -116,5 +116,7 @@ def pack(
         sample_positions[i] = s.start + n
         feed_rows[offset] = s.feed_row
         offset += n
-    md = AttentionMetadata(input_ids, positions, slot_mapping, query_start_loc, kv_lens, page_table, logits_indices)
+    md = AttentionMetadata(
+        input_ids, positions, slot_mapping, query_start_loc, kv_lens, page_table, logits_indices, np.int32(len(seqs))
+    )
     return PackedBatch(md, feed_rows, len(seqs), num_tokens, sample_positions)

@@ -229,7 +229,9 @@ def make_scored_forward(graphdef, backend: AttentionBackend):
     forward = make_forward(graphdef, backend)
 
     def scored(state, kv_cache, md: AttentionMetadata, feed_rows, feed_tokens, targets):
-        every_row = dataclasses.replace(md, logits_indices=jnp.arange(md.input_ids.shape[0], dtype=jnp.int32))
+        every_row = dataclasses.replace(
+            md, logits_indices=jnp.arange(md.input_ids.shape[0], dtype=jnp.int32), num_logits=md.query_start_loc[-1]
+        )
         kv_cache, logits = forward(state, kv_cache, every_row, feed_rows, feed_tokens)
         logprobs = jax.nn.log_softmax(logits, axis=-1)
         target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
@@ -497,16 +499,20 @@ class ModelRunner:
         if self.channel is not None:
             raise RuntimeError("logits() is not replayed on other processes; use it on a single process")
         b = self.pack(seqs)
-        md = dataclasses.replace(b.md, logits_indices=np.arange(b.md.num_tokens, dtype=np.int32))
+        md = dataclasses.replace(b.md, logits_indices=np.arange(b.md.num_tokens, dtype=np.int32), num_logits=None)
         self.kv_cache, logits = self._forward(self.state, self.kv_cache, md, b.feed_rows, self._no_feed)
         return np.asarray(logits)[: b.num_tokens]
 
     def warmup(self, progress: bool = True) -> None:
         """``compile_ahead``, then runs the largest step once, so a device that cannot hold
-        its temporaries fails at start-up rather than on the first full batch."""
+        its temporaries fails at start-up rather than on the first full batch, and a
+        one-token step: the CPU matmul kernel checks on a shape's first call with fewer
+        than 8 rows in use whether they can run alone (cpu_matmul.rows_computed; ~55 ms
+        for SmolLM2 on a 2-core Xeon), which the first request would otherwise wait for."""
         self.compile_ahead(progress)
         t, s = self.cfg.bucket_pairs[-1]
         self.execute(bucket_seqs(self.cfg, t, s), greedy(s))
+        self.execute(bucket_seqs(self.cfg, 1, 1), greedy(1))
 
     def compile_ahead(self, progress: bool = True) -> None:
         """Compiles (or loads from the program store) the model for every (token bucket,
