@@ -145,6 +145,7 @@ def kernels() -> Kernels:
             return Kernels(None, str(e2), matmul_error)
     register(lib, "JaxserveRaggedPagedAttention", "jaxserve_ragged_paged_attention")
     register(lib, "JaxserveWriteAndAttend", "jaxserve_write_and_attend")
+    register(lib, "JaxserveWriteKv", "jaxserve_write_kv")
     register(lib, "JaxserveInt8Matmul", "jaxserve_int8_matmul")
     if not matmul_error:
         register(lib, "JaxserveMatmul", "jaxserve_matmul")

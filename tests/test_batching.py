@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
+import subprocess
+import sys
 
+import jax
+import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.runner.batch import ScheduledSeq
+from jaxserve.runner.model_runner import make_forward
+from pallas_kernels import cpu_matmul
 from tests.conftest import record_steps
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -128,13 +138,6 @@ def test_the_packed_lm_head_computes_the_sequences_rows_only(tiny_model_dir, dty
     by itself where that keeps oneDNN's 8-row bits): a lone decode streams SmolLM2's 57 MB
     head for one row, not eight. The sequence's logits are bitwise those of every row
     computed, and the padding slots' come out zero where they were skipped."""
-    import dataclasses
-
-    import numpy as np
-
-    from jaxserve.runner.batch import ScheduledSeq
-    from pallas_kernels import cpu_matmul
-
     if not cpu_matmul.available(dtype):
         pytest.skip(f"no oneDNN {dtype} matmul on this CPU")
     path, hf = tiny_model_dir("llama3")
@@ -163,12 +166,6 @@ def test_warmup_does_the_matmul_kernels_few_row_checks(tiny_model_dir):
     step makes those calls, so the first requests (a lone one, then three at once) wait for
     no check. In a child process: the checks are kept per process, and this one's other
     tests have done them already."""
-    import os
-    import subprocess
-    import sys
-
-    from pallas_kernels import cpu_matmul
-
     if not cpu_matmul.available("float32"):
         pytest.skip("no oneDNN matmul on this CPU")
     path, _ = tiny_model_dir("llama3")
@@ -195,3 +192,46 @@ def test_warmup_does_the_matmul_kernels_few_row_checks(tiny_model_dir):
     assert child.returncode == 0, child.stderr[-3000:]
     warm, after = map(int, child.stdout.split()[-2:])
     assert warm >= 4 and after == warm, child.stdout  # qkv, o, gate|up, down and the head: all at warm-up
+
+
+@pytest.mark.parametrize(
+    "options, bitwise",
+    [
+        (dict(), True),
+        (dict(weight_dtype="bfloat16", kv_cache_dtype="bfloat16"), True),
+        (dict(matmul_backend="xla"), False),
+        (dict(attention_backend="reference"), False),
+    ],
+    ids=["onednn", "bfloat16", "xla-dots", "reference-attention"],
+)
+def test_the_last_layer_runs_the_logits_rows_only(tiny_model_dir, monkeypatch, options, bitwise):
+    """A step with fewer sequence slots than token rows (a prefill chunk in it) runs its
+    last layer's attention, o and MLP for the rows whose logits it needs only (every
+    token's K and V still written, the same bits): the logits are those of the whole
+    layer, for a prefill chunk, decodes beside it, a twin reading another row's logits and
+    padding slots; bitwise with the CPU kernels (a row's bits do not depend on its batch
+    there), within float32 rounding with XLA's dots or the reference attention."""
+    path, _ = tiny_model_dir("llama3")
+    llm = _make_llm(path, warmup=False, num_pages=64, **options)
+    pool, runner = llm.kv.pool, llm.runner
+    seqs = [
+        ScheduledSeq(list(range(3, 40)), 0, pool.allocate(3)),  # a prefill chunk of 37 tokens
+        ScheduledSeq([7], 20, pool.allocate(2)),  # decodes
+        ScheduledSeq([9], 5, pool.allocate(1)),
+        ScheduledSeq([], 37, [], logits_of=36),  # a twin of the chunk's last row
+    ]
+    b = runner.pack(seqs)
+    assert len(b.md.kv_lens) < b.md.num_tokens  # so the step's last layer takes the logits rows
+    logits, caches = [], []
+    for rows_only in (True, False):
+        monkeypatch.setattr(LlamaForCausalLM, "last_layer_rows_only", rows_only)  # read when traced
+        forward = jax.jit(make_forward(runner.graphdef, runner.cfg.attention_backend))
+        cache, out = forward(runner.state, runner.kv_cache, b.md, b.feed_rows, runner._no_feed)
+        logits.append(np.asarray(out, np.float32)[:4])
+        caches.append(np.asarray(cache.values if hasattr(cache, "values") else cache))
+    np.testing.assert_array_equal(caches[0], caches[1])  # every token's K and V, the same bits
+    if bitwise:
+        np.testing.assert_array_equal(logits[0], logits[1])
+    else:
+        np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(logits[0][3], logits[0][0])  # the twin reads the chunk's row

@@ -62,6 +62,31 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
+    def logits_rows(self) -> AttentionMetadata:
+        """The step's attention for the rows whose logits it needs only (logits_indices):
+        each row a one-token query of its own sequence at its own position, what a decode
+        of it would be; the entries past num_logits are empty. A model's last layer needs
+        no other row's output (LlamaForCausalLM), and the CPU kernel computes a token's
+        output bit for bit alike however it is batched (decode or prefill chunk)."""
+        rows = self.logits_indices
+        s = rows.shape[0]
+        used = s if self.num_logits is None else self.num_logits
+        # Each row's sequence: how many sequences end at or before the row (a twin or a
+        # padding slot has no tokens: it ends where the next sequence starts).
+        seq = jnp.sum(self.query_start_loc[1:][None, :] <= rows[:, None], axis=1)
+        live = jnp.arange(s) < used
+        i32 = jnp.int32
+        return AttentionMetadata(
+            input_ids=self.input_ids[rows],
+            positions=self.positions[rows],
+            slot_mapping=self.slot_mapping[rows],
+            query_start_loc=jnp.minimum(jnp.arange(s + 1), used).astype(i32),
+            kv_lens=jnp.where(live, self.positions[rows] + 1, 0).astype(i32),
+            page_table=self.page_table[jnp.minimum(seq, s - 1)],
+            logits_indices=jnp.arange(s, dtype=i32),
+            num_logits=self.num_logits,
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
@@ -189,21 +214,54 @@ class AttentionBackend:
         *,
         sm_scale: float,
         out_dtype=None,
+        logits_rows_only: bool = False,
     ):
-        """``write_and_attend`` of a layer's unrotated qkv product (``QkvProduct``)."""
+        """``write_and_attend`` of a layer's unrotated qkv product (``QkvProduct``), with
+        ``logits_rows_only`` as there."""
         if self.reads_products:
             args = (qkv, kv_cache, layer, md.slot_mapping, md.kv_lens, md.page_table, md.query_start_loc)
-            return cpu.write_and_attend(*args, sliding_window, sm_scale=sm_scale, out_dtype=out_dtype)
+            if not logits_rows_only:
+                return cpu.write_and_attend(*args, sliding_window, sm_scale=sm_scale, out_dtype=out_dtype)
+            # Every token's K and V, the same bits as above; then the logits rows' q from the product.
+            kv_cache = cpu.write_kv_product(*args)
+            rows = md.logits_indices
+            q = QkvProduct(qkv.product[:, rows], qkv.cos[rows], qkv.sin[rows], qkv.num_heads, qkv.num_kv_heads)
+            out = self.attention(
+                q, kv_cache, layer, md.logits_rows(), sliding_window, sm_scale=sm_scale, out_dtype=out_dtype
+            )
+            return out, kv_cache
         k, v = qkv.keys_values()
         return self.write_and_attend(
-            qkv.query(), k, v, kv_cache, layer, md, sliding_window, sm_scale=sm_scale, out_dtype=out_dtype
+            qkv.query(),
+            k,
+            v,
+            kv_cache,
+            layer,
+            md,
+            sliding_window,
+            sm_scale=sm_scale,
+            out_dtype=out_dtype,
+            logits_rows_only=logits_rows_only,
         )
 
     def write_and_attend(
-        self, q, k, v, kv_cache, layer, md: AttentionMetadata, sliding_window, *, sm_scale: float, out_dtype=None
+        self,
+        q,
+        k,
+        v,
+        kv_cache,
+        layer,
+        md: AttentionMetadata,
+        sliding_window,
+        *,
+        sm_scale: float,
+        out_dtype=None,
+        logits_rows_only: bool = False,
     ):
         """Writes this step's K/V, then attends. Returns (output [T, Hq, D] in ``out_dtype``,
-        default q's, and kv_cache).
+        default q's, and kv_cache); with ``logits_rows_only``, every token's K/V is written
+        but only the rows of ``md.logits_indices`` attend (``md.logits_rows()``): output
+        [S, Hq, D].
 
         With a mesh, each device runs both on its own KV heads and query heads; the
         metadata is replicated. No communication happens inside attention.
@@ -211,6 +269,8 @@ class AttentionBackend:
 
         def local(q, k, v, kv_cache, layer, md, sliding_window):
             kv_cache = self.write_kv(kv_cache, layer, md.slot_mapping, k, v)
+            if logits_rows_only:
+                q, md = q[md.logits_indices], md.logits_rows()
             out = self.attention(q, kv_cache, layer, md, sliding_window, sm_scale=sm_scale, out_dtype=out_dtype)
             return out, kv_cache
 

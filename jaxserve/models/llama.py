@@ -213,7 +213,11 @@ class DecoderLayer(nnx.Module):
         sin: jax.Array,
         md: AttentionMetadata,
         backend: AttentionBackend,
+        logits_rows_only: bool = False,
     ) -> tuple[jax.Array, jax.Array]:
+        """``logits_rows_only``: every token's K and V are written, but attention and all
+        after it run for the rows of ``md.logits_indices`` only (the model's last layer:
+        no layer reads the other rows' output); returns those rows, [S, E]."""
         cfg = self.cfg
         t = x.shape[0]
         eps = cfg.rms_norm_eps
@@ -221,6 +225,7 @@ class DecoderLayer(nnx.Module):
         # The step's tokens lead its rows; the oneDNN calls skip the bucket's padding rows
         # (a 300-token prompt in the 512-token bucket ran 512 rows of every matmul).
         rows = md.query_start_loc[-1]
+        attend = dict(sm_scale=cfg.head_dim**-0.5, out_dtype=self.o_input(), logits_rows_only=logits_rows_only)
         with jax.named_scope("attention"):
             if kernels_norm:
                 h = cpu_matmul.rms_norm(x, self.input_norm[...], eps, self.packed)
@@ -230,15 +235,8 @@ class DecoderLayer(nnx.Module):
                 # q, k and v stay in the product: the attention kernel reads (and rotates) them there.
                 n = self.shapes["qkv_proj"][1]
                 product = cpu_matmul.matmul_slices(h, self.qkv_proj[...], layer, n, self.packed, rows)
-                o, kv_cache = backend.write_and_attend_product(
-                    QkvProduct(product, cos, sin, cfg.num_heads, cfg.num_kv_heads),
-                    kv_cache,
-                    layer,
-                    md,
-                    sliding_window,
-                    sm_scale=cfg.head_dim**-0.5,
-                    out_dtype=self.o_input(),
-                )
+                qkv = QkvProduct(product, cos, sin, cfg.num_heads, cfg.num_kv_heads)
+                o, kv_cache = backend.write_and_attend_product(qkv, kv_cache, layer, md, sliding_window, **attend)
             else:
                 q, k, v = self.projections(h, "qkv_proj", layer)
                 if cfg.attention_bias:
@@ -249,9 +247,10 @@ class DecoderLayer(nnx.Module):
                 if cfg.qk_norm:
                     q, k = rms_norm(q, self.q_norm[...], eps), rms_norm(k, self.k_norm[...], eps)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-                o, kv_cache = backend.write_and_attend(
-                    q, k, v, kv_cache, layer, md, sliding_window, sm_scale=cfg.head_dim**-0.5, out_dtype=self.o_input()
-                )
+                o, kv_cache = backend.write_and_attend(q, k, v, kv_cache, layer, md, sliding_window, **attend)
+            if logits_rows_only:  # from here on the logits rows only
+                x, t = x[md.logits_indices], o.shape[0]
+                rows = t if md.num_logits is None else md.num_logits
             if kernels_norm:
                 n = self.shapes["o_proj"][1]
                 product = cpu_matmul.matmul_slices(o.reshape(t, -1), self.o_proj[...], layer, n, self.packed, rows)
@@ -275,6 +274,11 @@ class DecoderLayer(nnx.Module):
 
 class LlamaForCausalLM(nnx.Module):
     """Embedding, ``num_layers`` stacked decoder layers, final norm and LM head."""
+
+    # A step with fewer sequence slots than token rows runs its last layer past the K/V
+    # write for the rows whose logits it needs only (__call__); False: for every row (for
+    # the tests: their logits are the same bits).
+    last_layer_rows_only = True
 
     def __init__(
         self,
@@ -328,20 +332,31 @@ class LlamaForCausalLM(nnx.Module):
         emb = jnp.concatenate([freqs, freqs], axis=-1)
         cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
 
-        # Packed weights stay whole (the kernel indexes them by layer); the rest is sliced.
+        # Packed weights stay whole (the kernel indexes them by layer); the rest is indexed
+        # by layer as the scan goes (what scanning over it would do, without the slice of
+        # the stack that leaving out the last layer would copy).
         graphdef, packed, layer_state = nnx.split(self.layers, is_packed, ...)
 
-        def body(carry, xs):
-            h, cache = carry
-            state, layer, window = xs
-            block = nnx.merge(graphdef, packed, state)
-            h, cache = block(h, cache, layer, window, cos, sin, md, backend)
-            return (h, cache), None
+        def run_layer(h, cache, layer, window, logits_rows_only=False):
+            block = nnx.merge(graphdef, packed, jax.tree.map(lambda a: a[layer], layer_state))
+            return block(h, cache, layer, window, cos, sin, md, backend, logits_rows_only)
 
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        windows = jnp.asarray(np.asarray(cfg.sliding_windows, np.int32))
-        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (layer_state, layer_ids, windows))
-        x = x[md.logits_indices]
+        def body(carry, xs):
+            return run_layer(*carry, *xs), None
+
+        layer_ids = np.arange(cfg.num_layers, dtype=np.int32)
+        windows = np.asarray(cfg.sliding_windows, np.int32)
+        # Fewer sequences than token rows (a prefill chunk in the step): the last layer
+        # computes the rows whose logits the step needs, the others only their K and V. A
+        # 500-token prompt's last layer ran its attention, o, MLP on 500 rows for one.
+        last_rows_only = self.last_layer_rows_only and md.logits_indices.shape[0] < md.input_ids.shape[0]
+        scanned = cfg.num_layers - 1 if last_rows_only else cfg.num_layers
+        xs = (jnp.asarray(layer_ids[:scanned]), jnp.asarray(windows[:scanned]))
+        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), xs)
+        if last_rows_only:
+            x, kv_cache = run_layer(x, kv_cache, jnp.int32(scanned), jnp.int32(windows[scanned]), True)
+        else:
+            x = x[md.logits_indices]
         x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
         if self.packed_head:
             # At least 8 rows: oneDNN's kernel for a [K, 24576] slice changes between 4

@@ -45,6 +45,7 @@ __all__ = [
     "uses_amx",
     "write_and_attend",
     "write_kv",
+    "write_kv_product",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 KV_DTYPES = ("float32", "bfloat16", *QUANTIZED_KV_DTYPES)
 TARGET = "jaxserve_ragged_paged_attention"
 WRITE_TARGET = "jaxserve_write_and_attend"
+WRITE_ONLY_TARGET = "jaxserve_write_kv"
 
 
 def _build() -> tuple[bool, str]:
@@ -204,3 +206,35 @@ def write_and_attend(
         sm_scale=np.float32(sm_scale),
     )
     return out.astype(out_dtype), kv_cache
+
+
+@jax.jit
+def write_kv_product(
+    qkv: QkvProduct,
+    kv_cache: jax.Array | QuantizedKV,
+    layer: jax.Array,
+    slot_mapping: jax.Array,  # [T] int32
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    query_start_loc: jax.Array,
+) -> jax.Array | QuantizedKV:
+    """``write_and_attend``'s write alone: the sequences' tokens' k (rotated) and v into
+    their slots, bitwise as ``write_and_attend`` writes them (the kernel's own rotation; an
+    8-bit cache by the reference's scatter, as there). For a step whose attention runs for
+    some rows only (``ragged_paged_attention`` of those). Returns kv_cache."""
+    if isinstance(kv_cache, QuantizedKV):
+        return write_kv(kv_cache, layer, slot_mapping, *qkv.keys_values())
+    rows, cache, _, _ = _operands(qkv, kv_cache, kv_lens, page_table, query_start_loc, None)
+    if slot_mapping.shape != (qkv.shape[0],):
+        raise ValueError(f"slot_mapping must be [T={qkv.shape[0]}], got shape {slot_mapping.shape}")
+    return jax.ffi.ffi_call(
+        WRITE_ONLY_TARGET,
+        jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
+        input_output_aliases={3: 0},  # kv_cache, written in place
+    )(
+        *rows,
+        *cache,
+        *_metadata(layer, kv_lens, page_table, query_start_loc, 0),
+        slot_mapping.astype(jnp.int32),
+        num_heads=np.int64(qkv.num_heads),
+    )

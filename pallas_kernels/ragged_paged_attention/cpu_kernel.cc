@@ -35,6 +35,7 @@
 // Built on first use by cpu.py with the machine's C++ compiler (-O3 -march=native).
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -1322,21 +1323,27 @@ void WriteKv(ffi::ThreadPool& pool, const Problem& pb, void* cache, bool bf16, c
   });
 }
 
-// Attention of a step (the Problem's contract above), and with `slots` ([T]) first the
-// step's keys and values into kv_data (WriteKv). kv_cache describes the cache's shape.
+// Attention of a step (the Problem's contract above) into `out` ([T, Hq, D]), and with
+// `slots` ([T]) first the step's keys and values into kv_data (WriteKv); without `out`,
+// the write alone (Hq is then `num_heads`). kv_cache describes the cache's shape.
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& cos, ffi::Buffer<ffi::F32>& sin,
                ffi::AnyBuffer& kv_cache, void* kv_data, ffi::Buffer<ffi::F32>& scales, ffi::Buffer<ffi::S32>& layer,
                ffi::Buffer<ffi::S32>& kv_lens, ffi::Buffer<ffi::S32>& page_table,
                ffi::Buffer<ffi::S32>& query_start_loc, ffi::Buffer<ffi::S32>& window, float sm_scale,
-               ffi::Result<ffi::AnyBuffer>& out, const ffi::Buffer<ffi::S32>* slots) {
+               ffi::Result<ffi::AnyBuffer>* out, const ffi::Buffer<ffi::S32>* slots, int64_t num_heads = 0) {
   auto qd = q.dimensions();
   auto kd = kv_cache.dimensions();
-  auto od = out->dimensions();
-  if (qd.size() != 3 || od.size() != 3 || kd.size() != 5 || page_table.dimensions().size() != 2) {
+  if (qd.size() != 3 || kd.size() != 5 || page_table.dimensions().size() != 2 ||
+      (out != nullptr && (*out)->dimensions().size() != 3)) {
     return ffi::Error::InvalidArgument(
         "q must be [slices, T, N / slices], out [T, Hq, D], kv_cache 5-D and page_table 2-D");
   }
-  if (qd[1] != od[0] || qd[0] * qd[2] < od[1] * od[2]) {
+  // [T, Hq, D]: the output's, or for a write alone q's T, num_heads and the cache's D.
+  const std::array<int64_t, 3> od = out != nullptr ? std::array<int64_t, 3>{(*out)->dimensions()[0],
+                                                                            (*out)->dimensions()[1],
+                                                                            (*out)->dimensions()[2]}
+                                                   : std::array<int64_t, 3>{qd[1], num_heads, kd[4]};
+  if (qd[1] != od[0] || od[1] <= 0 || qd[0] * qd[2] < od[1] * od[2]) {
     return ffi::Error::InvalidArgument("q's slices must hold [T, Hq * D] of out's T, Hq and D");
   }
   const bool rotate = cos.element_count() > 0;
@@ -1385,9 +1392,9 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi:
   pb.pages_per_seq = page_table.dimensions()[1];
   pb.query_start_loc = query_start_loc.typed_data();
   pb.sm_scale = sm_scale;
-  pb.out = out->untyped_data();
-  pb.out_bf16 = out->element_type() == ffi::DataType::BF16;
-  if (!pb.out_bf16 && out->element_type() != ffi::DataType::F32) {
+  pb.out = out != nullptr ? (*out)->untyped_data() : nullptr;
+  pb.out_bf16 = out != nullptr && (*out)->element_type() == ffi::DataType::BF16;
+  if (out != nullptr && !pb.out_bf16 && (*out)->element_type() != ffi::DataType::F32) {
     return ffi::Error::InvalidArgument("out must be float32 or bfloat16");
   }
   work->amx = kind == ffi::DataType::U16 && pb.head_dim % 32 == 0 && AttentionUsesAmx();
@@ -1433,6 +1440,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi:
     }
     WriteKv(pool, pb, kv_data, kind == ffi::DataType::U16, slot, lo, hi);
   }
+  if (out == nullptr) return ffi::Error::Success();
 
   // Every row of a sequence's tokens is stored by its tile; the tokens outside all
   // sequences (padding) come out zero. Zeroing the whole output first was a pass over it
@@ -1466,7 +1474,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
                   ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> window, float sm_scale,
                   ffi::Result<ffi::AnyBuffer> out) {
   return Run(pool, q, cos, sin, kv_cache, kv_cache.untyped_data(), scales, layer, kv_lens, page_table,
-             query_start_loc, window, sm_scale, out, nullptr);
+             query_start_loc, window, sm_scale, &out, nullptr);
 }
 
 // Attend, after writing the step's K/V into the cache in place: `cache` is kv_cache's
@@ -1483,7 +1491,22 @@ ffi::Error WriteAndAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     return ffi::Error::InvalidArgument("the written cache must alias kv_cache (input_output_aliases)");
   }
   return Run(pool, q, cos, sin, kv_cache, cache->untyped_data(), scales, layer, kv_lens, page_table,
-             query_start_loc, window, sm_scale, out, &slot_mapping);
+             query_start_loc, window, sm_scale, &out, &slot_mapping);
+}
+
+// WriteAndAttend's write alone, for a step whose attention runs for some rows only (a
+// model's last layer: the rows whose logits the step needs), so that every token's K and
+// V in the cache are the same bits whichever call wrote them.
+ffi::Error Write(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                 ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> layer,
+                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
+                 ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> window,
+                 ffi::Buffer<ffi::S32> slot_mapping, int64_t num_heads, ffi::Result<ffi::AnyBuffer> cache) {
+  if (cache->untyped_data() != kv_cache.untyped_data()) {
+    return ffi::Error::InvalidArgument("the written cache must alias kv_cache (input_output_aliases)");
+  }
+  return Run(pool, q, cos, sin, kv_cache, cache->untyped_data(), scales, layer, kv_lens, page_table,
+             query_start_loc, window, 1.0f, nullptr, &slot_mapping, num_heads);
 }
 
 }  // namespace
@@ -1537,6 +1560,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteAndAttend, WriteAndAttend,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // slot_mapping [T]
                                   .Attr<float>("sm_scale")
                                   .Ret<ffi::AnyBuffer>()          // [T, Hq, D] float32 or bfloat16
+                                  .Ret<ffi::AnyBuffer>());        // the cache, written (aliases kv_cache)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKv, Write,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // the qkv product [slices, T, N / slices]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos [T, D], or empty
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin [T, D], or empty
+                                  .Arg<ffi::AnyBuffer>()          // kv_cache (float32 or bfloat16 bits)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scales (unused)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // sliding window (unused)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slot_mapping [T]
+                                  .Attr<int64_t>("num_heads")     // Hq: the product's q heads
                                   .Ret<ffi::AnyBuffer>());        // the cache, written (aliases kv_cache)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attend,
