@@ -1339,10 +1339,8 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi:
         "q must be [slices, T, N / slices], out [T, Hq, D], kv_cache 5-D and page_table 2-D");
   }
   // [T, Hq, D]: the output's, or for a write alone q's T, num_heads and the cache's D.
-  const std::array<int64_t, 3> od = out != nullptr ? std::array<int64_t, 3>{(*out)->dimensions()[0],
-                                                                            (*out)->dimensions()[1],
-                                                                            (*out)->dimensions()[2]}
-                                                   : std::array<int64_t, 3>{qd[1], num_heads, kd[4]};
+  std::array<int64_t, 3> od{qd[1], num_heads, kd[4]};
+  if (out != nullptr) std::copy_n((*out)->dimensions().begin(), 3, od.begin());
   if (qd[1] != od[0] || od[1] <= 0 || qd[0] * qd[2] < od[1] * od[2]) {
     return ffi::Error::InvalidArgument("q's slices must hold [T, Hq * D] of out's T, Hq and D");
   }
