@@ -1542,40 +1542,33 @@ extern "C" int64_t JaxserveExpMismatches(float lo, uint32_t stride) {
 // The threads every CPU kernel of the library splits its work over (cpu_threads.h).
 extern "C" int JaxserveThreads() { return jaxserve::Threads(); }
 
+// The operands of the calls that write the product's k and v (WriteAndAttend, Write).
+static auto ProductWriteOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
+      .Arg<ffi::Buffer<ffi::F32>>()   // the qkv product [slices, T, N / slices]
+      .Arg<ffi::Buffer<ffi::F32>>()   // cos [T, D], or empty
+      .Arg<ffi::Buffer<ffi::F32>>()   // sin [T, D], or empty
+      .Arg<ffi::AnyBuffer>()          // kv_cache (float32 or bfloat16 bits)
+      .Arg<ffi::Buffer<ffi::F32>>()   // scales (unused)
+      .Arg<ffi::Buffer<ffi::S32>>()   // layer
+      .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
+      .Arg<ffi::Buffer<ffi::S32>>()   // page_table
+      .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
+      .Arg<ffi::Buffer<ffi::S32>>()   // sliding window
+      .Arg<ffi::Buffer<ffi::S32>>();  // slot_mapping [T]
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteAndAttend, WriteAndAttend,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // the qkv product [slices, T, N / slices]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos [T, D], or empty
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin [T, D], or empty
-                                  .Arg<ffi::AnyBuffer>()          // kv_cache (float32 or bfloat16 bits)
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scales (unused)
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // page_table
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // sliding window
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // slot_mapping [T]
+                              ProductWriteOperands()
                                   .Attr<float>("sm_scale")
-                                  .Ret<ffi::AnyBuffer>()          // [T, Hq, D] float32 or bfloat16
-                                  .Ret<ffi::AnyBuffer>());        // the cache, written (aliases kv_cache)
+                                  .Ret<ffi::AnyBuffer>()    // [T, Hq, D] float32 or bfloat16
+                                  .Ret<ffi::AnyBuffer>());  // the cache, written (aliases kv_cache)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKv, Write,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()         // XLA's intra-op threads
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // the qkv product [slices, T, N / slices]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos [T, D], or empty
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin [T, D], or empty
-                                  .Arg<ffi::AnyBuffer>()          // kv_cache (float32 or bfloat16 bits)
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scales (unused)
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // page_table
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // sliding window (unused)
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // slot_mapping [T]
-                                  .Attr<int64_t>("num_heads")     // Hq: the product's q heads
-                                  .Ret<ffi::AnyBuffer>());        // the cache, written (aliases kv_cache)
+                              ProductWriteOperands()
+                                  .Attr<int64_t>("num_heads")  // Hq: the product's q heads
+                                  .Ret<ffi::AnyBuffer>());     // the cache, written (aliases kv_cache)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, Attend,
                               ffi::Ffi::Bind()
