@@ -424,6 +424,8 @@ bool PartsAgree(int64_t rows, int64_t k, int64_t n, int64_t part, bool f32, cons
 // ... rows; its blocking follows the CPU's caches, so another CPU may differ).
 constexpr int64_t kRowQuantum = 8, kGemmRowQuantum = 32;
 
+std::atomic<int64_t> few_rows_checks{0};  // shapes FewRowsAgree has looked at (for the tests)
+
 // Whether oneDNN's primitive for u < kRowQuantum rows of [k, n] slices gives, row for row,
 // the bits of its kRowQuantum-row call, on pseudo-random operands: then a decode's few rows
 // run alone, where they would compute 8. Not where AMX's tiles run bfloat16 (TileMatmul:
@@ -439,10 +441,8 @@ constexpr int64_t kRowQuantum = 8, kGemmRowQuantum = 32;
 // Every row count of a shape is checked at once, on the same operands against one
 // reference product, when the first is asked for (the model's warm-up runs a one-token
 // step for this): the LM head's slice took 12-26 ms per row count checked alone (~110 ms
-// for 1-7 rows, each on the first step of its batch size), against ~30 ms for all seven.
+// for 1-7 rows, each on the first step of its batch size), against ~40 ms for all seven.
 // Throws dnnl::error.
-std::atomic<int64_t> few_rows_checks{0};  // shapes FewRowsAgree has looked at (for the tests)
-
 bool FewRowsAgree(int64_t u, int64_t k, int64_t n, bool f32) {
   const auto agree = Cached(std::make_tuple(k, n, f32), [&] {
     few_rows_checks.fetch_add(1, std::memory_order_relaxed);
