@@ -178,7 +178,7 @@ def write_and_attend(
     aliases it); an 8-bit cache is quantized and written by the reference's scatter.
     Returns (output [T, Hq, D], kv_cache)."""
     if isinstance(kv_cache, QuantizedKV):
-        kv_cache = write_kv(kv_cache, layer, slot_mapping, *qkv.keys_values())
+        kv_cache = write_kv_product(qkv, kv_cache, layer, slot_mapping, kv_lens, page_table, query_start_loc)
         out = ragged_paged_attention(
             qkv,
             kv_cache,
