@@ -18,12 +18,17 @@
 // (tests/test_cpu_matmul.py; the model never calls with fewer, though fewer may be in use:
 // a decode's rows then run alone where that gives the same bits, FewRowsAgree).
 //
-// Without AVX-512, oneDNN 3.2 runs float32 through its GEMM on plain weights ("gemm:jit"),
-// which switches from its no-copy kernel to a copy-based one, with another summation
-// order, once 1/N + 1/M < 0.0038 in BLAS terms (gemm_driver.cpp's nocopy_checker_avx2:
-// N = our rows, M = the slice's columns). Any call of at most kMaxGemmRows = 256 rows stays
-// on the no-copy kernel whatever the width, so the GEMM path runs larger calls as balanced
-// row blocks of at most 256 (each >= 128): a row's bits stay independent of its batch.
+// Without AVX-512, float32 weights run on a kernel of our own in its own packed layout
+// (cpu_panels.h: each output one chain of FMAs, so a row's bits are its own at any row
+// count, and a decode computes its rows only). oneDNN 3.2 has only its GEMM on plain
+// weights there ("gemm:jit"; JAXSERVE_CPU_PANELS=0 keeps it, to compare against), which
+// switches from its no-copy kernel to a copy-based one, with another summation order, once
+// 1/N + 1/M < 0.0038 in BLAS terms (gemm_driver.cpp's nocopy_checker_avx2: N = our rows,
+// M = the slice's columns). Any call of at most kMaxGemmRows = 256 rows stays on the no-copy
+// kernel whatever the width, so the GEMM path runs larger calls as balanced row blocks of at
+// most 256 (each >= 128), and rounds the rows in use up to 32. That kept rows independent
+// where it was emulated (ONEDNN_MAX_CPU_ISA=AVX2 on AVX-512 CPUs), not on a real 2-core Zen 3:
+// a 32-row call's rows there came out with other last bits than in a 512-row call.
 
 #include <omp.h>
 
@@ -36,6 +41,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -52,6 +58,7 @@
 #include "pallas_kernels/cpu_amx.h"
 #include "pallas_kernels/cpu_bf16.h"
 #include "pallas_kernels/cpu_exp.h"
+#include "pallas_kernels/cpu_panels.h"
 #include "pallas_kernels/cpu_threads.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -80,11 +87,43 @@ dnnl::memory::desc PackedDesc(int64_t k, int64_t n, bool f32) {
   return dnnl::matmul::primitive_desc(Engine(), a, b, c).weights_desc();
 }
 
+// The implementation oneDNN picks for m rows of a [k, n] weight in its packed layout.
+std::string OneDnnImpl(int64_t m, int64_t k, int64_t n, bool f32) {
+  const dnnl::memory::desc a({m, k}, WeightType(f32), tag::ab), c({m, n}, dt::f32, tag::ab);
+  return dnnl::matmul::primitive_desc(Engine(), a, PackedDesc(k, n, f32), c).impl_info_str();
+}
+
+// Whether f32 weights run on cpu_panels.h's kernel instead of oneDNN: where oneDNN has only
+// its plain GEMM for them (no AVX-512) and the library was built with the kernel (AVX2 and
+// FMA), unless JAXSERVE_CPU_PANELS=0 (to compare against oneDNN). Asked once per process;
+// every packed layout and call follows it. Throws dnnl::error.
+bool Panels(bool f32) {
+#ifdef JAXSERVE_HAVE_PANELS
+  static const bool panels = [] {
+    const char* env = std::getenv("JAXSERVE_CPU_PANELS");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    return OneDnnImpl(kPackRows, 64, 64, true).rfind("gemm", 0) == 0;
+  }();
+  return f32 && panels;
+#else
+  return false;
+#endif
+}
+
+// Bytes of one packed [k, n] slice.
+int64_t SliceBytes(int64_t k, int64_t n, bool f32) {
+#ifdef JAXSERVE_HAVE_PANELS
+  if (Panels(f32)) return jaxserve::PanelBytes(k, n);
+#endif
+  return static_cast<int64_t>(PackedDesc(k, n, f32).get_size());
+}
+
 // How a packed weight's columns can be taken a range at a time: oneDNN's blocked layouts
 // for AMX and AVX-512 (BA16a64b2a for bfloat16 on AMX: 64 columns x all of K per block)
 // store each block of columns whole, one block after another, so columns [c, c + n) with
 // c and n multiples of the block are, from c's block on, the packed layout of an n-wide
-// weight. `block` is 0 where that does not hold (oneDNN's plain GEMM reads [K, N] rows).
+// weight. So are cpu_panels.h's panels of 16 columns. `block` is 0 where that does not hold
+// (oneDNN's plain GEMM reads [K, N] rows).
 struct ColumnLayout {
   int64_t block = 0, block_bytes = 0;
   // A packed slice's bytes from column c on (c a multiple of the block, or 0).
@@ -92,6 +131,9 @@ struct ColumnLayout {
 };
 
 ColumnLayout Columns(int64_t k, int64_t n, bool f32) {
+#ifdef JAXSERVE_HAVE_PANELS
+  if (Panels(f32)) return {jaxserve::kPanelColumns, jaxserve::PanelBytes(k, jaxserve::kPanelColumns)};
+#endif
   const dnnl::memory::desc whole = PackedDesc(k, n, f32);
   const auto blks = whole.get_inner_blks();
   const auto idxs = whole.get_inner_idxs();
@@ -116,8 +158,17 @@ ColumnLayout Columns(int64_t k, int64_t n, bool f32) {
 // A row-major [K, N] weight (float32, or bfloat16 bits) into out: each of `slices` column
 // slices (slices divides N) in its packed layout, one after the other.
 void Pack(const void* weight, int64_t k, int64_t n, int64_t slices, bool f32, void* out) {
-  dnnl::stream stream(Engine());
   const int64_t width = n / slices, item = f32 ? 4 : 2;
+#ifdef JAXSERVE_HAVE_PANELS
+  if (Panels(f32)) {
+    for (int64_t i = 0; i < slices; ++i) {
+      jaxserve::PackPanels(static_cast<const float*>(weight) + i * width, n, k, width,
+                           reinterpret_cast<float*>(static_cast<uint8_t*>(out) + i * SliceBytes(k, width, f32)));
+    }
+    return;
+  }
+#endif
+  dnnl::stream stream(Engine());
   const dnnl::memory::desc packed = PackedDesc(k, width, f32);
   for (int64_t i = 0; i < slices; ++i) {
     const dnnl::memory::desc plain({k, width}, WeightType(f32), dnnl::memory::dims{n, 1});
@@ -175,7 +226,7 @@ Operands RandomOperands(int64_t rows, int64_t k, int64_t n, bool f32) {
   Operands ops;
   ops.x.resize(rows * k * item);
   FillRandom(ops.x.data(), rows * k, f32, 1);
-  const size_t packed_bytes = PackedDesc(k, n, f32).get_size();
+  const size_t packed_bytes = SliceBytes(k, n, f32);
   ops.packed.resize(packed_bytes);
   if (packed_bytes == static_cast<size_t>(k * n * item)) {
     FillRandom(ops.packed.data(), k * n, f32, 2);
@@ -191,8 +242,9 @@ struct Entry {
   int64_t rows, k, n;  // the descriptors' dims, kept plain: a query of them allocates
   dnnl::memory::desc src, weights, dst, scratchpad;
   dnnl::matmul primitive;
-  bool gemm;  // oneDNN's plain GEMM ("gemm:jit..."): calls of at most kMaxGemmRows rows
+  bool gemm = false;  // oneDNN's plain GEMM ("gemm:jit..."): calls of at most kMaxGemmRows rows
   bool tiles = false;  // run by TileMatmul instead (bitwise oneDNN's result, checked)
+  bool panels = false;  // run by cpu_panels.h's kernel (no oneDNN primitive)
 };
 
 #ifdef JAXSERVE_HAVE_AMX
@@ -269,6 +321,10 @@ std::shared_ptr<const Entry> Primitive(int64_t m, int64_t k, int64_t n, bool f32
     entry->rows = m;
     entry->k = k;
     entry->n = n;
+    if (Panels(f32)) {
+      entry->panels = true;
+      return entry;
+    }
     entry->src = dnnl::memory::desc({m, k}, WeightType(f32), tag::ab);
     entry->weights = PackedDesc(k, n, f32);
     entry->dst = dnnl::memory::desc({m, n}, dt::f32, tag::ab);
@@ -294,6 +350,12 @@ thread_local std::string last_error;
 // Runs e on this thread: rows of x (row-major) times one slice's packed weights into dst
 // (dense float32 [rows, width]).
 void Execute(const Entry& e, const void* x, const uint8_t* weights, float* dst) {
+#ifdef JAXSERVE_HAVE_PANELS
+  if (e.panels) {
+    jaxserve::PanelMatmul(static_cast<const float*>(x), reinterpret_cast<const float*>(weights), dst, e.rows, e.k, e.n);
+    return;
+  }
+#endif
 #ifdef JAXSERVE_HAVE_AMX
   if (e.tiles) {
     TileMatmul(static_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(weights), dst, e.rows, e.k, e.n);
@@ -470,6 +532,7 @@ bool FewRowsAgree(int64_t u, int64_t k, int64_t n, bool f32) {
 int64_t RowsComputed(int64_t u, int64_t m, int64_t k, int64_t n, bool f32) {
   if (u < 0 || u >= m) return m;
   u = std::max<int64_t>(u, 1);
+  if (Panels(f32)) return u;  // every row its own at any row count (cpu_panels.h)
   if (u < kRowQuantum && FewRowsAgree(u, k, n, f32)) return u;
   const int64_t q = Primitive(kMaxGemmRows, k, n, f32)->gemm ? kGemmRowQuantum : kRowQuantum;
   return std::min(m, (u + q - 1) / q * q);
@@ -513,7 +576,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> p
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("oneDNN matmul: ") + e.what());
   }
-  const int64_t slice_bytes = static_cast<int64_t>(blocks->small->weights.get_size());
+  const int64_t slice_bytes = SliceBytes(k, width, f32);
   if (slice_bytes * slices != pd[1]) {
     return ffi::Error::InvalidArgument("packed holds " + std::to_string(pd[1]) + " bytes per layer; " +
                                        std::to_string(slices) + " slices of a [" + std::to_string(k) + ", " +
@@ -618,7 +681,7 @@ constexpr int64_t kSwiGluRows = 512;
 // where PartsAgree for both sizes of the blocks). Throws dnnl::error.
 struct SwiGluPlan {
   SwiGluPlan(int64_t m, int64_t k, int64_t width, bool f32)
-      : slice_bytes(static_cast<int64_t>(PackedDesc(k, 2 * width, f32).get_size())), columns(Columns(k, 2 * width, f32)) {
+      : slice_bytes(SliceBytes(k, 2 * width, f32)), columns(Columns(k, 2 * width, f32)) {
     part = PartWidth(columns, width, std::min(m, kSwiGluRows), 2);
     blocks.emplace(m, k, part == width ? 2 * width : part, f32, kSwiGluRows);
     if (part == width) return;
@@ -787,7 +850,7 @@ extern "C" {
 int64_t JaxservePackedBytes(int64_t k, int64_t n, int64_t slices, int f32) {
   try {
     if (slices < 1 || n % slices) throw dnnl::error(dnnl_invalid_arguments, "slices must divide N");
-    return slices * static_cast<int64_t>(PackedDesc(k, n / slices, f32 != 0).get_size());
+    return slices * SliceBytes(k, n / slices, f32 != 0);
   } catch (const dnnl::error& e) {
     last_error = e.what();
     return -1;
@@ -819,12 +882,12 @@ int64_t JaxserveSwiGluPart(int64_t m, int64_t k, int64_t i, int64_t slices, int 
   }
 }
 
-// The implementation oneDNN runs for M rows ("brg:avx512_core_amx", ...), or "" on error.
+// The implementation that runs M rows: oneDNN's ("brg:avx512_core_amx", ...) or
+// "jaxserve:panels:f32" (cpu_panels.h), or "" on error.
 const char* JaxserveMatmulImpl(int64_t m, int64_t k, int64_t n, int f32) {
   static thread_local std::string impl;
   try {
-    const dnnl::memory::desc a({m, k}, WeightType(f32 != 0), tag::ab), c({m, n}, dt::f32, tag::ab);
-    impl = dnnl::matmul::primitive_desc(Engine(), a, PackedDesc(k, n, f32 != 0), c).impl_info_str();  // one slice
+    impl = Panels(f32 != 0) ? "jaxserve:panels:f32" : OneDnnImpl(m, k, n, f32 != 0);  // one slice
   } catch (const dnnl::error& e) {
     last_error = e.what();
     impl.clear();

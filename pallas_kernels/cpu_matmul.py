@@ -104,7 +104,8 @@ def _unavailable(dtype: str) -> str:
     if lib is None:
         return error
     # Without AVX-512 (an AVX2 CPU) oneDNN 3.2 has no bfloat16 matmul at all; float32 runs
-    # its AVX2 GEMM ("gemm:jit:f32": weights kept plain, still read in place per layer).
+    # on the kernel's own AVX2 loop ("jaxserve:panels:f32", cpu_panels.h), or with
+    # JAXSERVE_CPU_PANELS=0 on oneDNN's AVX2 GEMM ("gemm:jit:f32": weights kept plain).
     probe = _probe(dtype)
     if not probe or probe.startswith("ref"):
         return f"oneDNN has no fast {dtype} matmul on this CPU ({probe or 'none'})"
@@ -149,7 +150,7 @@ def slices(n: int, dtype) -> int:
     memory. On an AVX2 Zen 2 (2 cores) the 32-row LM head took 15-19 ms instead of 30, and
     offline throughput rose ~15%; narrower slices (256) cost a lone decode ~10% in calls."""
     threads = cpu_build.threads()
-    if _probe(jnp.dtype(dtype).name).startswith("gemm") and n > GEMM_SLICE_WIDTH:
+    if _probe(jnp.dtype(dtype).name).startswith(("gemm", "jaxserve:panels")) and n > GEMM_SLICE_WIDTH:
         # A multiple of the cores: 3 slices on 2 cores would take 2 rounds for 1.5 slices' work.
         widths = [w for w in range(8, GEMM_SLICE_WIDTH + 1, 8) if n % w == 0 and (n // w) % threads == 0]
         if widths:
@@ -240,10 +241,11 @@ def swiglu_part(m: int, k: int, i: int, dtype) -> int:
 
 def rows_computed(rows: int, m: int, k: int, n: int, dtype) -> int:
     """Rows an ``m``-row call on a ``[k, n]`` weight computes when only the first ``rows``
-    are in use (cpu_matmul.cc: RowsComputed): ``rows`` rounded up to a multiple of 8 (32 on
-    oneDNN's plain GEMM, float32 without AVX-512), at most ``m``; ``rows`` itself below 8
-    where oneDNN gives that many rows its 8-row call's bits (not on AMX's tiles, nor on the
-    plain GEMM); all ``m`` where ``rows`` is out of range."""
+    are in use (cpu_matmul.cc: RowsComputed): ``rows`` itself on the kernel's own float32
+    loop (no AVX-512: cpu_panels.h); on oneDNN, ``rows`` rounded up to a multiple of 8 (32 on
+    its plain GEMM), at most ``m``, or ``rows`` itself below 8 where oneDNN gives that many
+    rows its 8-row call's bits (not on AMX's tiles, nor on the plain GEMM); all ``m`` where
+    ``rows`` is out of range."""
     lib = _checked()
     done = lib.JaxserveRowsComputed(rows, m, k, n // slices(n, dtype), _is_f32(dtype))
     if done < 0:

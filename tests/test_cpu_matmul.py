@@ -76,17 +76,19 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(k, n, dtype):
 @pytest.mark.parametrize("dtype", [BF16, np.float32])
 def test_a_calls_padding_rows_are_skipped_and_come_out_zero(dtype):
     """With ``rows`` (the step's tokens lead a token bucket's rows), matmul and swiglu
-    compute the first ``rows`` rounded up to 8 (32 on oneDNN's plain GEMM), or fewer than 8
-    alone where oneDNN gives them its 8-row call's bits (rows_computed), and write zeros below:
-    the rows in use are bitwise those of the whole call, and a 300-token step in the
-    512-row bucket computes 304 rows (320 on oneDNN's plain GEMM), not 512."""
+    compute the first ``rows`` rounded up to 8 (32 on oneDNN's plain GEMM, none on the
+    kernel's own float32 loop without AVX-512), or fewer than 8 alone where oneDNN gives
+    them its 8-row call's bits (rows_computed), and write zeros below: the rows in use are
+    bitwise those of the whole call, and a 300-token step in the 512-row bucket computes 304
+    rows (320 on oneDNN's plain GEMM, 300 on the kernel's own loop), not 512."""
     k, n, i = 576, 576, 1536
     stack = jnp.asarray(cpu_matmul.pack(_weight(k, n, dtype))[None])
     mlp = jnp.asarray(cpu_matmul.pack_swiglu(_weight(k, i, dtype, 3), _weight(k, i, dtype, 4))[None])
     x = jnp.asarray(np.random.default_rng(5).standard_normal((512, k)).astype(np.float32))
     mm = jax.jit(lambda x, w, rows: cpu_matmul.matmul(x, w, 0, n, dtype, rows))
     sw = jax.jit(lambda x, w, rows: cpu_matmul.swiglu(x, w, 0, i, dtype, rows))
-    quantum = 32 if cpu_matmul.impl(256, k, n, dtype).startswith("gemm") else 8
+    impl = cpu_matmul.impl(256, k, n, dtype)
+    quantum = 32 if impl.startswith("gemm") else 1 if impl.startswith("jaxserve:panels") else 8
     for f, w, width in ((mm, stack, n), (sw, mlp, 2 * i)):
         whole = np.asarray(f(x, w, 512), np.float32)
         assert whole.any(axis=1).all()  # so zeros in a call with rows are rows it skipped
@@ -178,17 +180,25 @@ def _rerun(env: dict[str, str], tests: str) -> None:
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
-def test_oneDNNs_plain_gemm_keeps_rows_independent_too():
-    """Without AVX-512 oneDNN runs float32 on its plain GEMM, which changes kernels past 256
-    rows (cpu_matmul.cc): both matmul calls split larger calls into row blocks. Checked
-    here on any CPU by capping oneDNN at AVX2 (ONEDNN_MAX_CPU_ISA) in a child process that
-    reruns this file's row-independence tests (the SwiGLU call once had no such blocks)."""
-    if cpu_matmul.impl(512, 576, 3072, np.float32).startswith("gemm"):
-        pytest.skip("oneDNN's plain GEMM is this CPU's path: the tests above ran on it")
-    env = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
-    impl = _child(env, "-c", "from pallas_kernels import cpu_matmul; print(cpu_matmul.impl(512, 576, 3072, 'float32'))")
-    assert impl.stdout.strip().startswith("gemm"), impl.stdout + impl.stderr[-2000:]
-    _rerun(env, "a_row or swiglu")
+@pytest.mark.parametrize("panels", [True, False], ids=["own-loop", "onednn-gemm"])
+def test_without_avx512_float32_runs_the_kernels_own_loop(panels):
+    """Without AVX-512, float32 weights run on the kernel's own loop (cpu_panels.h: every
+    row its own at any row count); checked on any CPU, in a child process capped at AVX2
+    (ONEDNN_MAX_CPU_ISA) where this one has AVX-512, that reruns this file's
+    row-independence and padding-rows tests on it. JAXSERVE_CPU_PANELS=0 keeps oneDNN's
+    plain GEMM instead, to compare against: its values are checked, not its rows'
+    independence (on a 2-core Zen 3 a 32-row call's rows differed in their last bits from
+    the same rows of a 512-row call)."""
+    native = cpu_matmul.impl(512, 576, 3072, np.float32).startswith(("gemm", "jaxserve:panels"))
+    env = {} if native else {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    if not panels:
+        env["JAXSERVE_CPU_PANELS"] = "0"
+    if not env:
+        pytest.skip("the kernel's own loop is this CPU's path: the tests above ran on it")
+    probe = "from pallas_kernels import cpu_matmul; print(cpu_matmul.impl(512, 576, 3072, 'float32'))"
+    impl = _child(env, "-c", probe)
+    assert impl.stdout.strip().startswith("jaxserve:panels" if panels else "gemm"), impl.stdout + impl.stderr[-2000:]
+    _rerun(env, "a_row or swiglu or padding_rows" if panels else "matches_xla_dot")
 
 
 def test_without_amx_a_decodes_few_rows_run_alone():
@@ -257,12 +267,13 @@ def test_a_prefills_swiglu_runs_parts_of_slices_and_a_decodes_whole_ones(dtype):
     """A 512-row call's gate|up products (3 MB a slice) would be read back from memory: its work
     items take parts of a slice, which oneDNN computes bitwise as the whole (checked when the
     call is planned); a decode's 32 rows run whole slices. (AMX and AVX-512 BF16 pack in
-    blocks of columns; oneDNN's plain layouts cannot be split, and run whole slices.)"""
+    blocks of columns, the kernel's own float32 loop without AVX-512 in panels of 16;
+    oneDNN's plain layouts cannot be split, and run whole slices.)"""
     width = 1536 // cpu_matmul.swiglu_slices(1536, dtype)
     assert cpu_matmul.swiglu_part(32, 576, 1536, dtype) == width
     assert cpu_matmul.swiglu_part(8, 64, 40, dtype) == 40 // cpu_matmul.swiglu_slices(40, dtype)
     part = cpu_matmul.swiglu_part(512, 576, 1536, dtype)
-    if "brg" not in cpu_matmul.impl(512, 576, 3072, dtype):
+    if not cpu_matmul.impl(512, 576, 3072, dtype).startswith(("brg", "jaxserve:panels")):
         pytest.skip(f"oneDNN runs {cpu_matmul.impl(512, 576, 3072, dtype)} here: whole slices (part {part})")
     assert part < width and width % part == 0, part
 
