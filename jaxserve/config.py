@@ -174,10 +174,11 @@ class EngineConfig:
     matmul_backend: str = option(
         "auto",
         "The decoder layers' linear layers and the LM head. xla: XLA's dots. onednn: oneDNN with weights "
-        "packed at load (one CPU device, x86-64 Linux with AVX-512; 2-4x XLA's dots at decode batch sizes "
-        "on an AMX CPU). auto: onednn on one CPU device where it builds, for float32 weights or for "
-        "bfloat16 ones on a CPU with bfloat16 units; else xla. With quantization int8, auto picks the int8 "
-        "AMX kernel where it runs, else xla; onednn is refused.",
+        "packed at load (one CPU device, x86-64 Linux; 2-4x XLA's dots at decode batch sizes on an AMX "
+        "CPU); without AVX-512 the kernel's own AVX2 loop instead, for float32 and bfloat16 weights. auto: "
+        "onednn on one CPU device where it builds, for float32 weights, or bfloat16 ones on a CPU with "
+        "bfloat16 units or without AVX-512; else xla. With quantization int8, auto picks the int8 AMX "
+        "kernel where it runs, else xla; onednn is refused.",
         one_of(*MATMUL_BACKENDS),
     )
     mesh: dict | None = option(

@@ -264,9 +264,9 @@ def resolve_int8_matmul(option: str, mcfg: ModelConfig, weight_dtype: str, platf
 
 def resolve_matmul(option: str, weight_dtype: str, platform: str, *, sharded: bool) -> str:
     """``matmul_backend`` resolved: ``onednn`` needs one CPU device and the library; ``auto``
-    picks it where oneDNN has a fast kernel for the weights: float32, or bfloat16 on a CPU
-    with bfloat16 units (2-4x XLA's dots at decode batch sizes on an AMX CPU; float32
-    offline 1.28x, with the same greedy tokens).
+    picks it where it has a fast kernel for the weights: float32, or bfloat16 on a CPU with
+    bfloat16 units (2-4x XLA's dots at decode batch sizes on an AMX CPU; float32 offline
+    1.28x, with the same greedy tokens) or on the kernel's own loop (CPUs without AVX-512).
 
     Raises:
         ConfigError: ``onednn`` asked for where it cannot run.
@@ -286,5 +286,7 @@ def resolve_matmul(option: str, weight_dtype: str, platform: str, *, sharded: bo
         if why_not:
             raise ConfigError(f"matmul_backend 'onednn': {why_not}; use matmul_backend: xla or auto")
         return "onednn"
-    fast = weight_dtype == "float32" or has_bfloat16_units()
+    # bfloat16 weights are fast on oneDNN with bfloat16 units, and on the kernel's own loop
+    # without AVX-512 (widened in registers: half of float32's bytes to stream).
+    fast = weight_dtype == "float32" or has_bfloat16_units() or cpu_matmul.own_loop(weight_dtype)
     return "onednn" if fast and why_not is None else "xla"

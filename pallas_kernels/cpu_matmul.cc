@@ -93,18 +93,27 @@ std::string OneDnnImpl(int64_t m, int64_t k, int64_t n, bool f32) {
   return dnnl::matmul::primitive_desc(Engine(), a, PackedDesc(k, n, f32), c).impl_info_str();
 }
 
-// Whether f32 weights run on cpu_panels.h's kernel instead of oneDNN: where oneDNN has only
-// its plain GEMM for them (no AVX-512) and the library was built with the kernel (AVX2 and
-// FMA), unless JAXSERVE_CPU_PANELS=0 (to compare against oneDNN). Asked once per process;
+// Whether weights of a dtype run on cpu_panels.h's kernel instead of oneDNN: where the
+// library was built with it (AVX2 and FMA) and oneDNN has no fast kernel of its own for
+// them, which without AVX-512 is so for both: float32 on its plain GEMM only, bfloat16 not
+// at all. JAXSERVE_CPU_PANELS=0 keeps oneDNN (to compare against). Asked once per process;
 // every packed layout and call follows it. Throws dnnl::error.
 bool Panels(bool f32) {
 #ifdef JAXSERVE_HAVE_PANELS
-  static const bool panels = [] {
+  static const bool off = [] {
     const char* env = std::getenv("JAXSERVE_CPU_PANELS");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
-    return OneDnnImpl(kPackRows, 64, 64, true).rfind("gemm", 0) == 0;
+    return env != nullptr && std::strcmp(env, "0") == 0;
   }();
-  return f32 && panels;
+  static const bool for_f32 = !off && OneDnnImpl(kPackRows, 64, 64, true).rfind("gemm", 0) == 0;
+  static const bool for_bf16 = !off && [] {
+    try {
+      const std::string impl = OneDnnImpl(kPackRows, 64, 64, false);
+      return impl.empty() || impl.rfind("ref", 0) == 0;
+    } catch (const dnnl::error&) {  // no bfloat16 matmul at all
+      return true;
+    }
+  }();
+  return f32 ? for_f32 : for_bf16;
 #else
   return false;
 #endif
@@ -113,7 +122,7 @@ bool Panels(bool f32) {
 // Bytes of one packed [k, n] slice.
 int64_t SliceBytes(int64_t k, int64_t n, bool f32) {
 #ifdef JAXSERVE_HAVE_PANELS
-  if (Panels(f32)) return jaxserve::PanelBytes(k, n);
+  if (Panels(f32)) return jaxserve::PanelBytes(k, n, f32 ? 4 : 2);
 #endif
   return static_cast<int64_t>(PackedDesc(k, n, f32).get_size());
 }
@@ -132,7 +141,7 @@ struct ColumnLayout {
 
 ColumnLayout Columns(int64_t k, int64_t n, bool f32) {
 #ifdef JAXSERVE_HAVE_PANELS
-  if (Panels(f32)) return {jaxserve::kPanelColumns, jaxserve::PanelBytes(k, jaxserve::kPanelColumns)};
+  if (Panels(f32)) return {jaxserve::kPanelColumns, SliceBytes(k, jaxserve::kPanelColumns, f32)};
 #endif
   const dnnl::memory::desc whole = PackedDesc(k, n, f32);
   const auto blks = whole.get_inner_blks();
@@ -162,8 +171,12 @@ void Pack(const void* weight, int64_t k, int64_t n, int64_t slices, bool f32, vo
 #ifdef JAXSERVE_HAVE_PANELS
   if (Panels(f32)) {
     for (int64_t i = 0; i < slices; ++i) {
-      jaxserve::PackPanels(static_cast<const float*>(weight) + i * width, n, k, width,
-                           reinterpret_cast<float*>(static_cast<uint8_t*>(out) + i * SliceBytes(k, width, f32)));
+      void* slice = static_cast<uint8_t*>(out) + i * SliceBytes(k, width, f32);
+      if (f32) {
+        jaxserve::PackPanels(static_cast<const float*>(weight) + i * width, n, k, width, static_cast<float*>(slice));
+      } else {
+        jaxserve::PackPanels(static_cast<const uint16_t*>(weight) + i * width, n, k, width, static_cast<uint16_t*>(slice));
+      }
     }
     return;
   }
@@ -245,6 +258,7 @@ struct Entry {
   bool gemm = false;  // oneDNN's plain GEMM ("gemm:jit..."): calls of at most kMaxGemmRows rows
   bool tiles = false;  // run by TileMatmul instead (bitwise oneDNN's result, checked)
   bool panels = false;  // run by cpu_panels.h's kernel (no oneDNN primitive)
+  bool f32 = true;  // the weights' type (else bfloat16)
 };
 
 #ifdef JAXSERVE_HAVE_AMX
@@ -321,6 +335,7 @@ std::shared_ptr<const Entry> Primitive(int64_t m, int64_t k, int64_t n, bool f32
     entry->rows = m;
     entry->k = k;
     entry->n = n;
+    entry->f32 = f32;
     if (Panels(f32)) {
       entry->panels = true;
       return entry;
@@ -352,7 +367,16 @@ thread_local std::string last_error;
 void Execute(const Entry& e, const void* x, const uint8_t* weights, float* dst) {
 #ifdef JAXSERVE_HAVE_PANELS
   if (e.panels) {
-    jaxserve::PanelMatmul(static_cast<const float*>(x), reinterpret_cast<const float*>(weights), dst, e.rows, e.k, e.n);
+    if (e.f32) {
+      jaxserve::PanelMatmul(static_cast<const float*>(x), reinterpret_cast<const float*>(weights), dst, e.rows, e.k, e.n);
+      return;
+    }
+    // bfloat16 rows widened once: the kernel broadcasts each value to every column.
+    thread_local std::vector<float> rows;
+    rows.resize(std::max<size_t>(rows.size(), static_cast<size_t>(e.rows * e.k)));
+    const uint16_t* bits = static_cast<const uint16_t*>(x);
+    for (int64_t i = 0; i < e.rows * e.k; ++i) rows[i] = jaxserve::Bf16ToFloat(bits[i]);
+    jaxserve::PanelMatmul(rows.data(), reinterpret_cast<const uint16_t*>(weights), dst, e.rows, e.k, e.n);
     return;
   }
 #endif
@@ -883,11 +907,11 @@ int64_t JaxserveSwiGluPart(int64_t m, int64_t k, int64_t i, int64_t slices, int 
 }
 
 // The implementation that runs M rows: oneDNN's ("brg:avx512_core_amx", ...) or
-// "jaxserve:panels:f32" (cpu_panels.h), or "" on error.
+// "jaxserve:panels:f32" / "jaxserve:panels:bf16" (cpu_panels.h) for one slice, or "" on error.
 const char* JaxserveMatmulImpl(int64_t m, int64_t k, int64_t n, int f32) {
   static thread_local std::string impl;
   try {
-    impl = Panels(f32 != 0) ? "jaxserve:panels:f32" : OneDnnImpl(m, k, n, f32 != 0);  // one slice
+    impl = Panels(f32 != 0) ? (f32 ? "jaxserve:panels:f32" : "jaxserve:panels:bf16") : OneDnnImpl(m, k, n, f32 != 0);
   } catch (const dnnl::error& e) {
     last_error = e.what();
     impl.clear();

@@ -118,6 +118,13 @@ def available(dtype) -> bool:
     return jnp.dtype(dtype).name in DTYPES and not _unavailable(jnp.dtype(dtype).name)
 
 
+def own_loop(dtype) -> bool:
+    """Whether ``dtype`` weights run on the kernel's own loop here (cpu_panels.h: CPUs
+    without AVX-512, where oneDNN has only its plain GEMM for float32 and nothing for
+    bfloat16), not on oneDNN."""
+    return available(dtype) and _probe(jnp.dtype(dtype).name).startswith("jaxserve:panels")
+
+
 def build_error(dtype) -> str:
     name = jnp.dtype(dtype).name
     return _unavailable(name) if name in DTYPES else f"weights are one of {', '.join(DTYPES)}, not {name}"

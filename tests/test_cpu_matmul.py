@@ -21,7 +21,7 @@ from jaxserve.plan import resolve_matmul
 from pallas_kernels import cpu_matmul
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available("float32"), reason="oneDNN matmul unavailable here")
-# bfloat16 weights need AVX-512 (oneDNN 3.2 has no bfloat16 matmul on an AVX2 CPU).
+# bfloat16 weights need AVX-512 for oneDNN 3.2, or the kernel's own loop (AVX2: cpu_panels.h).
 BF16 = pytest.param(
     ml_dtypes.bfloat16,
     marks=pytest.mark.skipif(not cpu_matmul.available("bfloat16"), reason="no oneDNN bfloat16 matmul on this CPU"),
@@ -244,7 +244,9 @@ def test_matmul_backend_option():
     assert resolve_matmul("auto", "float32", "cpu", sharded=False) == "onednn"
     if cpu_matmul.available("bfloat16"):
         assert resolve_matmul("onednn", "bfloat16", "cpu", sharded=False) == "onednn"
-    else:  # an AVX2 CPU: bfloat16 weights go to XLA's dots, or are one error naming why
+        if cpu_matmul.own_loop("bfloat16"):  # without AVX-512: fast without bfloat16 units
+            assert resolve_matmul("auto", "bfloat16", "cpu", sharded=False) == "onednn"
+    else:  # JAXSERVE_CPU_PANELS=0 on an AVX2 CPU: bfloat16 weights go to XLA's dots, or are one error naming why
         assert resolve_matmul("auto", "bfloat16", "cpu", sharded=False) == "xla"
         with pytest.raises(ConfigError, match="matmul_backend 'onednn': oneDNN has no fast bfloat16 matmul"):
             resolve_matmul("onednn", "bfloat16", "cpu", sharded=False)

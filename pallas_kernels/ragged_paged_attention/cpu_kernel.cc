@@ -75,12 +75,7 @@ typedef uint32_t Bits32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 inline float ToFloat(float x) { return x; }
-inline float ToFloat(uint16_t bits) {  // bfloat16 bits -> float32, exact
-  uint32_t b = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &b, sizeof f);
-  return f;
-}
+inline float ToFloat(uint16_t bits) { return jaxserve::Bf16ToFloat(bits); }
 
 // An 8-bit cache's element types; their rows are read as values * the row's scale.
 struct Fp8 {  // float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities
