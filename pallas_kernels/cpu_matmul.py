@@ -144,7 +144,8 @@ def _is_f32(dtype) -> int:
     return int(name == "float32")
 
 
-# Column slice width on oneDNN's plain GEMM (float32 without AVX-512): at most this many.
+# Column slice width without AVX-512 (oneDNN's plain GEMM, or the kernel's own loop that
+# replaces it there): at most this many.
 GEMM_SLICE_WIDTH = 384
 
 
@@ -155,7 +156,9 @@ def slices(n: int, dtype) -> int:
     streams its weight once per block of ~24 rows: a slice of 384 columns (0.9 MB at
     K = 576) comes again from the cache, the LM head's half (24,576 columns, 57 MB) from
     memory. On an AVX2 Zen 2 (2 cores) the 32-row LM head took 15-19 ms instead of 30, and
-    offline throughput rose ~15%; narrower slices (256) cost a lone decode ~10% in calls."""
+    offline throughput rose ~15%; narrower slices (256) cost a lone decode ~10% in calls.
+    The kernel's own loop (cpu_panels.h) that runs there now likewise streams a slice once
+    per block of rows (~54 at K = 576), so it keeps the same slices."""
     threads = cpu_build.threads()
     if _probe(jnp.dtype(dtype).name).startswith(("gemm", "jaxserve:panels")) and n > GEMM_SLICE_WIDTH:
         # A multiple of the cores: 3 slices on 2 cores would take 2 rounds for 1.5 slices' work.
