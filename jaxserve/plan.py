@@ -93,8 +93,11 @@ class EnginePlan:
             and self.model_config.head_dim % 32 == 0
             and cpu_attention.uses_amx()
         )
+        # Without AVX-512 the onednn backend runs its own loop (cpu_panels.h), not oneDNN's.
+        own = self.matmul == "onednn" and cpu_matmul.own_loop(self.weight_dtype)
         return (
-            f"activations {self.dtype}, layer weights {self.weights} ({self.matmul} matmuls), "
+            f"activations {self.dtype}, layer weights {self.weights} "
+            f"({self.matmul} matmuls{' on its own AVX2 loop' if own else ''}), "
             f"KV cache {self.kv_dtype}{' (attention on AMX tiles)' if amx else ''}{units}"
         )
 

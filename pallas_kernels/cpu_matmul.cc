@@ -175,7 +175,8 @@ void Pack(const void* weight, int64_t k, int64_t n, int64_t slices, bool f32, vo
       if (f32) {
         jaxserve::PackPanels(static_cast<const float*>(weight) + i * width, n, k, width, static_cast<float*>(slice));
       } else {
-        jaxserve::PackPanels(static_cast<const uint16_t*>(weight) + i * width, n, k, width, static_cast<uint16_t*>(slice));
+        const uint16_t* bits = static_cast<const uint16_t*>(weight) + i * width;
+        jaxserve::PackPanels(bits, n, k, width, static_cast<uint16_t*>(slice));
       }
     }
     return;
@@ -368,7 +369,8 @@ void Execute(const Entry& e, const void* x, const uint8_t* weights, float* dst) 
 #ifdef JAXSERVE_HAVE_PANELS
   if (e.panels) {
     if (e.f32) {
-      jaxserve::PanelMatmul(static_cast<const float*>(x), reinterpret_cast<const float*>(weights), dst, e.rows, e.k, e.n);
+      const float* w = reinterpret_cast<const float*>(weights);
+      jaxserve::PanelMatmul(static_cast<const float*>(x), w, dst, e.rows, e.k, e.n);
       return;
     }
     // bfloat16 rows widened once: the kernel broadcasts each value to every column.

@@ -42,6 +42,17 @@ def test_auto_is_float32_on_a_cpu_without_them(monkeypatch):
     assert p.numerics.endswith("this CPU has no bfloat16 units")
 
 
+@pytest.mark.parametrize("own", [True, False])
+def test_start_up_says_when_the_matmuls_run_their_own_avx2_loop(monkeypatch, own):
+    """Without AVX-512 the onednn backend runs the kernel's own loop (cpu_panels.h), not
+    oneDNN's kernels: start-up says which."""
+    p = _plan(False, monkeypatch)
+    if p.matmul != "onednn":
+        pytest.skip("no oneDNN matmul here")
+    monkeypatch.setattr(plan.cpu_matmul, "own_loop", lambda dtype: own)
+    assert ("layer weights float32 (onednn matmuls on its own AVX2 loop)" in p.numerics) == own, p.numerics
+
+
 def test_auto_keeps_a_narrow_activation_dtype_and_explicit_values_win(monkeypatch):
     p = _plan(True, monkeypatch, dtype="float16")
     assert (p.weight_dtype, p.kv_dtype) == ("float16", "float16")
