@@ -169,6 +169,7 @@ constexpr int64_t kPanelRowBytes = 128 << 10;
 template <typename W>
 void PanelMatmul(const float* x, const W* w, float* dst, int64_t m, int64_t k, int64_t n) {
   const int64_t panels = (n + kPanelColumns - 1) / kPanelColumns;
+  if (m <= 0) return;
   if (m < 6) return FewRowsOverPanels(m, x, k, w, dst, n, 0, panels);
   const int64_t block = std::max<int64_t>(6, kPanelRowBytes / (k * static_cast<int64_t>(sizeof(float))) / 6 * 6);
   for (int64_t r0 = 0; r0 < m; r0 += block) {
