@@ -103,9 +103,9 @@ def _unavailable(dtype: str) -> str:
     lib, error = _lib()
     if lib is None:
         return error
-    # Without AVX-512 (an AVX2 CPU) oneDNN 3.2 has no bfloat16 matmul at all; float32 runs
-    # on the kernel's own AVX2 loop ("jaxserve:panels:f32", cpu_panels.h), or with
-    # JAXSERVE_CPU_PANELS=0 on oneDNN's AVX2 GEMM ("gemm:jit:f32": weights kept plain).
+    # Without AVX-512 (an AVX2 CPU) both weight types run on the kernel's own AVX2 loop
+    # ("jaxserve:panels:f32" / ":bf16", cpu_panels.h); with JAXSERVE_CPU_PANELS=0 float32
+    # runs oneDNN 3.2's AVX2 GEMM ("gemm:jit:f32") and bfloat16 has no matmul at all.
     probe = _probe(dtype)
     if not probe or probe.startswith("ref"):
         return f"oneDNN has no fast {dtype} matmul on this CPU ({probe or 'none'})"
@@ -160,7 +160,7 @@ def slices(n: int, dtype) -> int:
     The kernel's own loop (cpu_panels.h) that runs there now likewise streams a slice once
     per block of rows (~54 at K = 576), so it keeps the same slices."""
     threads = cpu_build.threads()
-    if _probe(jnp.dtype(dtype).name).startswith(("gemm", "jaxserve:panels")) and n > GEMM_SLICE_WIDTH:
+    if (own_loop(dtype) or _probe(jnp.dtype(dtype).name).startswith("gemm")) and n > GEMM_SLICE_WIDTH:
         # A multiple of the cores: 3 slices on 2 cores would take 2 rounds for 1.5 slices' work.
         widths = [w for w in range(8, GEMM_SLICE_WIDTH + 1, 8) if n % w == 0 and (n // w) % threads == 0]
         if widths:
@@ -251,8 +251,8 @@ def swiglu_part(m: int, k: int, i: int, dtype) -> int:
 
 def rows_computed(rows: int, m: int, k: int, n: int, dtype) -> int:
     """Rows an ``m``-row call on a ``[k, n]`` weight computes when only the first ``rows``
-    are in use (cpu_matmul.cc: RowsComputed): ``rows`` itself on the kernel's own float32
-    loop (no AVX-512: cpu_panels.h); on oneDNN, ``rows`` rounded up to a multiple of 8 (32 on
+    are in use (cpu_matmul.cc: RowsComputed): ``rows`` itself on the kernel's own loop (no
+    AVX-512: cpu_panels.h); on oneDNN, ``rows`` rounded up to a multiple of 8 (32 on
     its plain GEMM), at most ``m``, or ``rows`` itself below 8 where oneDNN gives that many
     rows its 8-row call's bits (not on AMX's tiles, nor on the plain GEMM); all ``m`` where
     ``rows`` is out of range."""

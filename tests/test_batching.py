@@ -191,7 +191,7 @@ def test_warmup_does_the_matmul_kernels_few_row_checks(tiny_model_dir):
     )
     assert child.returncode == 0, child.stderr[-3000:]
     warm, after = map(int, child.stdout.split()[-2:])
-    if cpu_matmul.impl(32, 64, 64, "float32").startswith("jaxserve:panels"):
+    if cpu_matmul.own_loop("float32"):
         assert warm == after == 0, child.stdout  # the kernel's own loop: any row count, nothing to check
     else:
         assert warm >= 4 and after == warm, child.stdout  # qkv, o, gate|up, down and the head: all at warm-up

@@ -77,7 +77,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(k, n, dtype):
 def test_a_calls_padding_rows_are_skipped_and_come_out_zero(dtype):
     """With ``rows`` (the step's tokens lead a token bucket's rows), matmul and swiglu
     compute the first ``rows`` rounded up to 8 (32 on oneDNN's plain GEMM, none on the
-    kernel's own float32 loop without AVX-512), or fewer than 8 alone where oneDNN gives
+    kernel's own loop without AVX-512), or fewer than 8 alone where oneDNN gives
     them its 8-row call's bits (rows_computed), and write zeros below: the rows in use are
     bitwise those of the whole call, and a 300-token step in the 512-row bucket computes 304
     rows (320 on oneDNN's plain GEMM, 300 on the kernel's own loop), not 512."""
@@ -269,7 +269,7 @@ def test_a_prefills_swiglu_runs_parts_of_slices_and_a_decodes_whole_ones(dtype):
     """A 512-row call's gate|up products (3 MB a slice) would be read back from memory: its work
     items take parts of a slice, which oneDNN computes bitwise as the whole (checked when the
     call is planned); a decode's 32 rows run whole slices. (AMX and AVX-512 BF16 pack in
-    blocks of columns, the kernel's own float32 loop without AVX-512 in panels of 16;
+    blocks of columns, the kernel's own loop without AVX-512 in panels of 16;
     oneDNN's plain layouts cannot be split, and run whole slices.)"""
     width = 1536 // cpu_matmul.swiglu_slices(1536, dtype)
     assert cpu_matmul.swiglu_part(32, 576, 1536, dtype) == width
