@@ -15,6 +15,7 @@ import jax
 
 from jaxserve.assembly import ChatMessages, EngineHandle, Prompt, assemble
 from jaxserve.config import EngineConfig
+from jaxserve.engine.async_engine import EngineStoppedError
 from jaxserve.engine.request import Request
 from jaxserve.errors import ConfigError, EngineError, RequestError
 from jaxserve.sampling_params import SamplingParams
@@ -253,7 +254,14 @@ class LLM:
                 handoff.abort(request_id)
 
     def stats(self) -> dict[str, int]:
-        """Counters: steps, prefill_tokens_computed, decode_tokens, num_preemptions, num_compiles, kv_pages_*."""
+        """Counters: steps, prefill_tokens_computed, decode_tokens, num_preemptions, num_compiles, kv_pages_*.
+        On a served LLM they are read on the engine thread, between steps (never half of one)."""
+        handoff = self.engine.handoff
+        if handoff is not None:
+            try:
+                return handoff.call(lambda engine: engine.stats())
+            except EngineStoppedError:  # it stopped since: the engine is idle, read it here
+                pass
         return self.engine.stats()
 
     @property

@@ -278,6 +278,8 @@ class EngineThread:
     def call(self, fn: Callable[[Engine], object], timeout: float | None = 60) -> object:
         """Runs ``fn(engine)`` on the engine thread between steps and returns its result
         (e.g. the scheduler's ``check_integrity`` while serving: only that thread may look inside)."""
+        if threading.current_thread() is self._thread:  # already between steps: queueing would wait on itself
+            return fn(self.engine)
         if self._closed:
             raise EngineStoppedError("the engine thread has stopped")
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -337,11 +339,11 @@ class EngineThread:
             if stream is not None and stream.request is not None:
                 self.engine.abort(command[1])
                 self.aborted["cancelled"] += 1
-                self._finish(command[1], stream)
-                if asked is not None:
+                if asked is not None:  # recorded before the client hears the end
                     self.abort_delay_steps[command[1]] = self.engine.counters["steps"] - asked
                     if len(self.abort_delay_steps) > 4096:  # keep the most recent only
                         del self.abort_delay_steps[next(iter(self.abort_delay_steps))]
+                self._finish(command[1], stream)
 
     def _finish(self, request_id: str, stream: Submission) -> None:
         stream.push(self._delta(request_id, stream))
