@@ -12,8 +12,10 @@ feature flags: a library built for one CPU never loads on another.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import os
@@ -59,11 +61,21 @@ INT8 = ROOT / "cpu_int8.cc"
 _ONEDNN_RUNTIME, _ONEDNN_HEADERS = "onednn-cpu-gomp", "onednn-devel-cpu-gomp"
 
 
-def build(sources: tuple[pathlib.Path, ...], name: str, extra: tuple[str, ...] = (), key_parts: tuple[str, ...] = ()):
+def build(
+    sources: tuple[pathlib.Path, ...],
+    name: str,
+    compile_args: tuple[str, ...] = (),
+    link_args: tuple[str, ...] = (),
+    key_parts: tuple[str, ...] = (),
+):
     """Compiles ``sources`` into one shared library (or finds it cached) and loads it.
 
-    ``extra``: more compiler and linker arguments (include and library paths, ``-l``);
-    ``key_parts``: anything else the library depends on (a library version).
+    ``compile_args`` / ``link_args``: more arguments for compiling each source (include
+    paths) / for linking them (libraries); ``key_parts``: anything else the library depends
+    on (a library version). The sources compile in parallel, one compiler per core (the
+    attention kernel alone takes ~25 s at -O3), and a process that finds another building
+    the same library waits for it instead of building it again (two test workers, or two
+    servers starting at once, on 2 cores).
 
     Raises:
         BuildError: no compiler, a failed compile, or a library that does not load.
@@ -73,26 +85,41 @@ def build(sources: tuple[pathlib.Path, ...], name: str, extra: tuple[str, ...] =
         raise BuildError("no C++ compiler found (set $CXX or install g++)")
     key = hashlib.sha256()
     headers = sorted(ROOT.glob("*.h"))
-    parts = (*(p.read_bytes() for p in (*sources, *headers)), " ".join([compiler, *FLAGS, *extra]))
+    parts = (*(p.read_bytes() for p in (*sources, *headers)), " ".join([compiler, *FLAGS, *compile_args, *link_args]))
     for part in (*parts, jaxlib.__version__, cpu_flags(), *key_parts):
         key.update(part if isinstance(part, bytes) else part.encode())
     library = cache_dir() / f"{name}_{key.hexdigest()[:16]}.so"
     try:
         if not library.exists():
             library.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-                out = pathlib.Path(tmp) / library.name
-                includes = (f"-I{jax.ffi.include_dir()}", f"-I{ROOT.parent}")
-                cmd = [compiler, *FLAGS, "-shared", "-fPIC", *includes, *map(str, sources), "-o", str(out)]
-                proc = subprocess.run([*cmd, *extra, "-pthread"], capture_output=True, text=True)
-                if proc.returncode != 0:
-                    raise BuildError(
-                        f"compiling {', '.join(p.name for p in sources)} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}"
-                    )
-                os.replace(out, library)  # atomic: concurrent builders both end with a whole file
+            with open(library.with_suffix(".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the holder dies
+                if not library.exists():  # not built meanwhile by the holder we waited for
+                    _compile_and_link(compiler, sources, compile_args, link_args, library)
         return ctypes.cdll.LoadLibrary(str(library))
     except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, unloadable library...
         raise BuildError(f"{type(e).__name__}: {e}") from None
+
+
+def _compile_and_link(compiler, sources, compile_args, link_args, library: pathlib.Path) -> None:
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        includes = (f"-I{jax.ffi.include_dir()}", f"-I{ROOT.parent}")
+        objects = [pathlib.Path(tmp) / f"{i}_{source.stem}.o" for i, source in enumerate(sources)]
+        commands = [
+            [compiler, *FLAGS, "-fPIC", *includes, *compile_args, "-c", str(source), "-o", str(obj)]
+            for source, obj in zip(sources, objects, strict=True)
+        ]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            procs = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), commands))
+        for source, cmd, proc in zip(sources, commands, procs, strict=True):
+            if proc.returncode != 0:
+                raise BuildError(f"compiling {source.name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        out = pathlib.Path(tmp) / library.name
+        cmd = [compiler, *FLAGS, "-shared", *map(str, objects), "-o", str(out), *link_args, "-pthread"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BuildError(f"linking {library.name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        os.replace(out, library)  # atomic: a process that did not wait never loads half a file
 
 
 def register(lib, symbol: str, target: str) -> None:
@@ -134,8 +161,8 @@ def kernels() -> Kernels:
     ``jaxserve_int8_matmul`` and, with oneDNN, ``jaxserve_matmul`` and ``jaxserve_matmul_swiglu``. A matmul that fails to build leaves the attention kernel alone."""
     try:
         include, library, version = onednn()
-        extra = (f"-I{include}", str(library), f"-Wl,-rpath,{library.parent}", "-fopenmp")
-        lib = build((ATTENTION, INT8, MATMUL), "cpu_kernels_onednn", extra, key_parts=(version,))
+        link = (str(library), f"-Wl,-rpath,{library.parent}", "-fopenmp")
+        lib = build((ATTENTION, INT8, MATMUL), "cpu_kernels_onednn", (f"-I{include}", "-fopenmp"), link, (version,))
         matmul_error = ""
     except BuildError as e:
         matmul_error = str(e)

@@ -1,0 +1,65 @@
+"""The CPU kernels' build: sources compile in parallel, a second builder of the same
+library waits for the first instead of compiling it again, a failure names its source."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+import threading
+
+import pytest
+
+from pallas_kernels import cpu_build
+
+
+@pytest.fixture
+def logged_compiler(tmp_path, monkeypatch):
+    """$CXX: a wrapper that logs each call (one line: compile or link) and runs the real one."""
+    real = os.environ.get("CXX") or "c++"
+    log = tmp_path / "calls.log"
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(f'#!/bin/sh\nsleep 0.5\necho "$*" >> {log}\nexec {real} "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CXX", str(wrapper))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return log
+
+
+def _sources(tmp_path, second_body: str = "return 2;"):
+    one, two = tmp_path / "one.cc", tmp_path / "two.cc"
+    one.write_text('extern "C" int One() { return 1; }\n')
+    two.write_text(f'extern "C" int Two() {{ {second_body} }}\n')
+    return one, two
+
+
+def test_two_builders_of_one_library_compile_it_once(tmp_path, logged_compiler):
+    sources = _sources(tmp_path)
+    barrier, libs, errors = threading.Barrier(2), [], []
+
+    def build():
+        barrier.wait()
+        try:
+            libs.append(cpu_build.build(sources, "test_lib"))
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    calls = logged_compiler.read_text().splitlines()
+    # Two sources compiled (each with -c) and one link: by one of the two builders only.
+    assert sum(" -c " in c for c in calls) == 2 and sum("-shared" in c for c in calls) == 1, calls
+    assert [lib.One() + lib.Two() for lib in libs] == [3, 3]
+    again = cpu_build.build(sources, "test_lib")  # cached: no call
+    assert len(logged_compiler.read_text().splitlines()) == 3 and ctypes.CDLL(again._name).Two() == 2
+
+
+def test_a_failed_compile_names_its_source(tmp_path, logged_compiler):
+    sources = _sources(tmp_path, second_body="return undefined_name;")
+    with pytest.raises(cpu_build.BuildError, match=r"(?s)compiling two.cc failed:.*undefined_name"):
+        cpu_build.build(sources, "test_lib_broken")
+    assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-built is left to load
