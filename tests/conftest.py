@@ -206,3 +206,53 @@ def tiny_server(path, server_config=None, **llm_options):
         addr,
     ):
         yield llm, server, addr
+
+
+# -- where the suite's time goes -------------------------------------------------------------
+# Each test phase's report carries the seconds JAX spent tracing, lowering and compiling in
+# it (XLA's compile for the CPU, libtpu's or the GPU compiler's for compile-only devices); the
+# run ends with the slowest files' wall time and the part of it that was compiling. Works
+# across xdist workers: the figures travel in the reports' user_properties.
+_COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+_compiling = {"total": 0.0, "reported": 0.0}
+_per_file: dict[str, list[float]] = {}
+
+
+def _on_duration(event: str, duration: float, **_) -> None:
+    if event in _COMPILE_EVENTS:
+        _compiling["total"] += duration
+
+
+def pytest_configure(config):
+    import jax
+
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    spent = _compiling["total"] - _compiling["reported"]
+    _compiling["reported"] = _compiling["total"]
+    outcome.get_result().user_properties.append(("compile_s", spent))
+
+
+def pytest_runtest_logreport(report):
+    compile_s = dict(report.user_properties).get("compile_s", 0.0)
+    wall = _per_file.setdefault(report.nodeid.split("::")[0], [0.0, 0.0])
+    wall[0] += report.duration
+    wall[1] += compile_s
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _per_file:
+        return
+    total = [sum(v[i] for v in _per_file.values()) for i in (0, 1)]
+    terminalreporter.write_sep("-", "where the time went: test seconds (the part of them spent compiling)")
+    terminalreporter.write_line(f"all {len(_per_file)} files: {total[0]:.0f} s ({total[1]:.0f} s compiling)")
+    for path, (wall, compile_s) in sorted(_per_file.items(), key=lambda kv: -kv[1][0])[:10]:
+        terminalreporter.write_line(f"{wall:7.0f} s ({compile_s:5.0f} s) {path}")
