@@ -243,9 +243,9 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_runtest_logreport(report):
     compile_s = dict(report.user_properties).get("compile_s", 0.0)
-    wall = _per_file.setdefault(report.nodeid.split("::")[0], [0.0, 0.0])
-    wall[0] += report.duration
-    wall[1] += compile_s
+    seconds = _per_file.setdefault(report.nodeid.split("::")[0], [0.0, 0.0])  # [test, compiling]
+    seconds[0] += report.duration
+    seconds[1] += compile_s
 
 
 def pytest_terminal_summary(terminalreporter):

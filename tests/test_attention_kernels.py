@@ -128,26 +128,22 @@ def _case_seqs(case):
     return CASES[case] or [(q, q + rng.randint(0, 30)) for q in rng.randint(1, 12, size=5)]
 
 
-def _interpreted(fn, **static):
+def _interpreted(fn):
     """``fn`` in interpret mode, compiled by XLA:CPU without LLVM's optimizer: an
     interpreted kernel is a large program of loops that is compiled once and run once, and
     what it checks is the kernel's logic, not XLA's code (~30% of these tests' time)."""
 
     def call(*args):
-        lowered = jax.jit(functools.partial(fn, **static, interpret=True)).lower(*args)
+        lowered = jax.jit(functools.partial(fn, interpret=True)).lower(*args)
         return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})(*args)
 
     return call
 
 
 def _run(write, attend, c: Case, window, block_sizes, interpret=False):
+    attend = functools.partial(attend, sm_scale=c.q.shape[2] ** -0.5, block_sizes=block_sizes)
     if interpret:
-        write, attend = (
-            _interpreted(write),
-            _interpreted(attend, sm_scale=c.q.shape[2] ** -0.5, block_sizes=block_sizes),
-        )
-    else:
-        attend = functools.partial(attend, sm_scale=c.q.shape[2] ** -0.5, block_sizes=block_sizes)
+        write, attend = _interpreted(write), _interpreted(attend)
     cache = write(c.kv_cache, np.int32(1), c.slot_mapping, c.k_new, c.v_new)
     out = attend(c.q, cache, np.int32(1), c.kv_lens, c.page_table, c.query_start_loc, np.int32(window))
     return np.asarray(cache), np.asarray(out)
