@@ -295,23 +295,80 @@ def _sorted_keep_mask(scaled, top_k, top_p, min_p):
     return keep
 
 
-def test_top_k_top_p_min_p_keep_what_a_sort_keeps():
-    """The sampler finds its thresholds by halving the key range (no sort): the kept set
-    must be exactly what sorting each row keeps, ties at the threshold included."""
-    from jaxserve.runner.sampler import keep_mask
+def _sample_rows(logits, temperature, top_k, top_p, min_p, seeds):
+    """The sampler's draws for rows of ``logits`` (parameters per row) at position 5."""
+    from jaxserve.runner.sampler import SamplingMetadata, _sample_rows
 
+    s = logits.shape[0]
+    md = SamplingMetadata(
+        temperature=np.asarray(temperature, np.float32),
+        top_k=np.asarray(top_k, np.int32),
+        top_p=np.asarray(top_p, np.float32),
+        min_p=np.asarray(min_p, np.float32),
+        seeds=np.asarray(seeds, np.uint32),
+        positions=np.full(s, 5, np.int32),
+        blocked_ids=np.full((s, MAX_BLOCKED), -1, np.int32),
+        num_logprobs=np.full(s, -1, np.int32),
+    )
+    return np.asarray(jax.jit(_sample_rows)(logits, md))
+
+
+@pytest.mark.parametrize("vocab", [3000, 4099])  # blocks of 1000; no divisor: padded blocks of 256
+def test_draws_stay_in_what_a_sort_keeps(vocab):
+    """The sampler draws without sorting (a rising pivot, top-k and top-p checked on each
+    draw): every draw must lie in what sorting each row keeps, ties at the edge included
+    (a whole tie group is kept, and each of its tokens is drawn)."""
     rng = np.random.RandomState(0)
-    s, vocab = 24, 3000
-    scaled = (3 * rng.randn(s, vocab)).astype(np.float32)
-    scaled[0, :41] = 20.0  # 41 tied maxima: top-k 3 and any top-p keep the whole tie
-    scaled[1, :5] = 30.0
-    top_k = rng.choice([0, 1, 5, 40, 50_000], s).astype(np.int32)
+    rows, seeds_per_row = 24, 40
+    logits = (3 * rng.randn(rows, vocab)).astype(np.float32)
+    logits[0, :41] = 20.0  # 41 tied maxima: top-k 3 and any top-p keep the whole tie
+    logits[1, :5] = 30.0
+    logits[2, 7] = -np.inf  # a masked token (min_tokens, structured output) is never drawn
+    temperature = rng.choice([0.5, 1.0, 1.7], rows).astype(np.float32)
+    top_k = rng.choice([0, 1, 5, 40, 50_000], rows).astype(np.int32)
     top_k[:2] = 3
-    top_p = rng.choice([1.0, 0.95, 0.5, 1e-6], s).astype(np.float32)
-    min_p = rng.choice([0.0, 0.05, 0.5], s).astype(np.float32)
-    got = np.asarray(jax.jit(keep_mask)(scaled, top_k, top_p, min_p))
-    np.testing.assert_array_equal(got, _sorted_keep_mask(scaled, top_k, top_p, min_p))
-    assert got[0].sum() == 41 and got[1].sum() == 5  # a whole tie group is kept
+    top_p = rng.choice([1.0, 0.95, 0.5, 1e-6], rows).astype(np.float32)
+    min_p = rng.choice([0.0, 0.05, 0.5], rows).astype(np.float32)
+    keep = _sorted_keep_mask(logits / temperature[:, None], top_k, top_p, min_p)
+    keep[2, 7] = False
+    each = np.repeat(np.arange(rows), seeds_per_row)
+    got = _sample_rows(logits[each], temperature[each], top_k[each], top_p[each], min_p[each], np.arange(len(each)))
+    assert keep[each, got].all(), [(r, t) for r, t in zip(each, got, strict=True) if not keep[r, t]][:5]
+    drawn = got.reshape(rows, seeds_per_row)
+    assert set(drawn[0]) <= set(range(41)) and len(set(drawn[0])) > 20  # the tie group, evenly
+    assert set(drawn[1]) == set(range(5))
+    assert len({len(set(d)) for d in drawn}) > 3  # rows kept few tokens and many
+
+
+def test_draws_follow_the_filtered_distribution():
+    """Many seeds on one row each: every token's frequency is its probability after
+    temperature and the filters, renormalized (within 4.5 standard deviations), whether
+    the draw is accepted at once (top-k wider than what top-p keeps) or after the pivot rose
+    (top-k 3: the first draw often falls outside; two tokens kept out of 4099 that hold
+    0.08% of the mass: drawing again from everything would not find them in MAX_ROUNDS)."""
+    small = np.array([2.0, 1.5, 1.5, 1.0, 0.3, 0.0, -0.5, -1.0, -2.0, -3.0, -np.inf, 0.7], np.float32)
+    flat = np.zeros(4099, np.float32)
+    flat[[5, 4000]] = 0.5
+    cases = [
+        (small, 20_000, 1.0, 0, 1.0, 0.0),
+        (small, 20_000, 0.8, 6, 0.9, 0.0),
+        (small, 20_000, 1.3, 3, 1.0, 0.0),
+        (small, 20_000, 1.0, 0, 1.0, 0.2),
+        (flat, 2_000, 1.0, 2, 1.0, 0.0),
+    ]
+    for logits, n, temperature, top_k, top_p, min_p in cases:
+        scaled = logits / temperature
+        keep = _sorted_keep_mask(scaled[None], [top_k], [top_p], [min_p])[0]
+        probs = np.where(keep, np.exp(scaled - scaled.max()), 0.0)
+        probs /= probs.sum()
+        got = _sample_rows(
+            np.tile(logits, (n, 1)), [temperature] * n, [top_k] * n, [top_p] * n, [min_p] * n, np.arange(n) + 11
+        )
+        counts = np.bincount(got, minlength=len(logits))
+        bound = 4.5 * np.sqrt(n * probs * (1 - probs)) + 1
+        bad = np.flatnonzero(np.abs(counts - n * probs) > bound)
+        assert not len(bad), (temperature, top_k, top_p, min_p, bad, counts[bad], n * probs[bad])
+        assert np.all(counts[~keep] == 0)
 
 
 def test_n_samples_share_the_prompt(tiny_model_dir):
