@@ -79,7 +79,13 @@ def run(args: argparse.Namespace) -> None:
             ([rng.randrange(3, 49152) for _ in range(rng.randint(200, 200))], rng.randint(64, 64)) for _ in range(32)
         ]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in work]
-        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        # As `jaxserve bench offline --temperature T --top-p P`: request i seeded with i.
+        sampled = args.temperature > 0
+        params = [
+            SamplingParams(max_tokens=64, temperature=args.temperature, top_p=args.top_p, seed=i if sampled else None,
+                           ignore_eos=True)
+            for i in range(len(work))
+        ]  # fmt: skip
         for i in range(3):
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -108,6 +114,8 @@ def main() -> None:
     p.add_argument("mode", choices=["convert", "offline", "latency"])
     p.add_argument("model", help="convert: where to write; offline / latency: the Hugging Face directory")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--temperature", type=float, default=0.0, help="offline: 0 (greedy, the default) or sampled")
+    p.add_argument("--top-p", type=float, default=1.0, help="offline, with --temperature > 0")
     p.add_argument("--no-amx", action="store_true", help="run as on a CPU without AMX (without_amx)")
     args = p.parse_args()
     convert(args.model) if args.mode == "convert" else run(args)

@@ -145,9 +145,16 @@ def _engine_args(path) -> list[str]:
     return ["--config", str(ROOT / "configs" / "test-tiny.yaml"), "--set", f"model={path}", "--quiet"]
 
 
+def _digests(printed: str) -> dict[str, str]:
+    profiles = re.findall(r"^  ([\w -]+): \d+ steps, compiles after warm-up 0, outputs (\w+);", printed, re.M)
+    return dict(profiles)
+
+
 def test_bench_offline_rows_agree_on_greedy_outputs(tiny_model_dir, capsys):
     """Every row runs the same greedy workload: the config, a variant and static batching
-    produce the same outputs (same digest), static batching in more steps."""
+    produce the same outputs (same digest), static batching in more steps. Sampled
+    (``--temperature``, ``--top-p``: request i seeded with i), the rows agree too, on other
+    outputs."""
     path, _ = tiny_model_dir("llama3")
     args = ["bench", "offline", *_engine_args(path), "--requests", "12", "--prompt", "5:40", "--output", "2:12"]
     assert main([*args, "--variant", "fcfs-4:max_num_seqs=4", "--static"]) == 0
@@ -161,6 +168,11 @@ def test_bench_offline_rows_agree_on_greedy_outputs(tiny_model_dir, capsys):
     assert "output tok/s" in printed and "cpu: " in printed and "command: jaxserve bench offline" in printed
     # each row's wall time per step against its own step inputs replayed with no host work
     assert len(re.findall(r"per step [\d.]+ ms against [\d.]+ device-only \([+-][\d.]+%, overlap on\)", printed)) == 3
+    assert main([*args, "--variant", "fcfs-4:max_num_seqs=4", "--temperature", "1", "--top-p", "0.9"]) == 0
+    printed = capsys.readouterr().out
+    sampled = _digests(printed)
+    assert set(sampled) == {"config", "fcfs-4"} and len(set(sampled.values())) == 1, printed
+    assert set(sampled.values()) != digests and "(temperature 1.0, top-p 0.9)" in printed
 
 
 def test_bench_latency_and_prefix_cache_report(tiny_model_dir, capsys):
@@ -181,6 +193,8 @@ def test_bench_latency_and_prefix_cache_report(tiny_model_dir, capsys):
 def test_bench_variant_errors_name_the_format(capsys):
     assert main(["bench", "offline", "--variant", "nothing"]) == 2
     assert "--variant 'nothing': expected NAME:KEY=VALUE" in capsys.readouterr().err
+    assert main(["bench", "offline", "--temperature", "1", "--top-p", "1.5"]) == 2
+    assert capsys.readouterr().err == "jaxserve: error: sampling_params.top_p = 1.5: must be a number in (0, 1]\n"
 
 
 @pytest.mark.parametrize(

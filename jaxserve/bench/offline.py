@@ -2,21 +2,22 @@
 against variants of its config, static batching and transformers' padded `generate`.
 
 Workload: ``--requests`` token-id prompts with lengths drawn from ``--prompt LO:HI`` and
-outputs from ``--output LO:HI``, greedy, EOS ignored (every request produces exactly its
-output length). Rows:
+outputs from ``--output LO:HI``, EOS ignored (every request produces exactly its output
+length); greedy, or sampled with ``--temperature`` / ``--top-p`` (request i seeded with i,
+so a run repeats; vLLM's own throughput benchmark samples at temperature 1). Rows:
 
 * the config (``--config`` / ``--set``), and each ``--variant NAME:KEY=VALUE[,KEY=VALUE]``
   on top of it (e.g. ``bf16:weight_dtype=bfloat16,kv_cache_dtype=bfloat16``);
 * ``--static``: the config in static batching: ``max_num_seqs`` requests are submitted
   and no other joins until all of them have finished (done here, by submitting in
   batches, so the scheduler carries no benchmark-only mode);
-* ``--hf-batch B[,B...]``: transformers ``generate`` in float32, padded batches of B
-  (needs torch and transformers, the test extra);
+* ``--hf-batch B[,B...]``: transformers ``generate`` in float32, padded batches of B,
+  greedy (needs torch and transformers, the test extra);
 * ``--constrained REGEX``: the config with every request under structured output (the
   regex): what the host's token masks and the sampler's masked variant cost.
 
 Per engine row: steps, compiles after warm-up, a digest of every output token id (two
-runs with the same digest produced the same greedy outputs, e.g. the same run on two
+runs with the same digest produced the same outputs, e.g. the same run on two
 commits), and the wall time per step against the device-only time: the run's own step
 inputs replayed back to back with no host work between them. Their difference is the
 host time not hidden behind the device (``overlap_scheduling``); the host's own work per
@@ -43,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static", action="store_true", help="add the config in static batching")
     p.add_argument("--hf-batch", default=None, help="comma-separated transformers batch sizes, each a row")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
     p.add_argument(
         "--constrained",
         metavar="REGEX",
@@ -57,9 +60,22 @@ def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: in
     return [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*output)) for _ in range(n)]
 
 
-def run_engine(cfg, work, static: bool, quiet: bool, regex: str | None = None) -> tuple[float, int, str]:
-    """Runs the workload on a fresh engine; returns (seconds, output tokens, profile line)."""
-    from jaxserve import LLM, SamplingParams
+def sampling(work, temperature: float = 0.0, top_p: float = 1.0, regex: str | None = None) -> list:
+    """Each request's SamplingParams (request i seeded with i when sampled)."""
+    from jaxserve import SamplingParams
+
+    seeded = temperature > 0
+    return [
+        SamplingParams(max_tokens=m, temperature=temperature, top_p=top_p, seed=i if seeded else None,
+                       ignore_eos=True, regex=regex)
+        for i, (_, m) in enumerate(work)
+    ]  # fmt: skip
+
+
+def run_engine(cfg, work, params, static: bool, quiet: bool, regex: str | None = None) -> tuple[float, int, str]:
+    """Runs the workload (``params``: each request's SamplingParams) on a fresh engine;
+    returns (seconds, output tokens, profile line)."""
+    from jaxserve import LLM
 
     llm = LLM(config=cfg, progress=not quiet)  # warmed up: the workload alone is timed
     compiles = llm.stats()["num_compiles"]
@@ -69,10 +85,8 @@ def run_engine(cfg, work, static: bool, quiet: bool, regex: str | None = None) -
     outputs = []
     t0 = time.perf_counter()
     for i in range(0, len(work), batch):
-        params = [
-            SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, regex=regex) for _, m in work[i : i + batch]
-        ]
-        reqs = [llm.engine.add_request(ids, p) for (ids, _), p in zip(work[i : i + batch], params, strict=True)]
+        pairs = zip(work[i : i + batch], params[i : i + batch], strict=True)
+        reqs = [llm.engine.add_request(ids, p) for (ids, _), p in pairs]
         while llm.engine.has_unfinished():
             llm.engine.step()
         outputs += [r.output_token_ids for r in reqs]
@@ -132,6 +146,7 @@ def main(args: argparse.Namespace) -> int:
     from jaxserve.models.checkpoint import open_checkpoint
     from jaxserve.models.fetch import default_cache_dir, resolve_model
 
+    sampling([((), 1)], args.temperature, args.top_p)  # a bad value: its error before anything loads
     base = engine_config(args)
     rows = [("config", base, False, None)]
     for v in args.variant:
@@ -144,11 +159,15 @@ def main(args: argparse.Namespace) -> int:
     model_path = resolve_model(base.model, base.cache_dir)
     vocab = open_checkpoint(model_path, base.cache_dir or default_cache_dir()).config.vocab_size  # as assemble opens it
     work = workload(args.requests, args.prompt, args.output, vocab, args.seed)
+    params = {regex: sampling(work, args.temperature, args.top_p, regex) for regex in {None, args.constrained}}
     prompt_tokens, output_tokens = sum(len(ids) for ids, _ in work), sum(m for _, m in work)
-    print(f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens, model {base.model}")
+    how = f"temperature {args.temperature}, top-p {args.top_p}" if args.temperature > 0 else "greedy"
+    print(
+        f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens ({how}), model {base.model}"
+    )
     seconds, produced = {}, {}
     for name, cfg, static, regex in rows:
-        seconds[name], produced[name], profile = run_engine(cfg, work, static, args.quiet, regex)
+        seconds[name], produced[name], profile = run_engine(cfg, work, params[regex], static, args.quiet, regex)
         print(f"  {name}: {profile}", flush=True)
     for batch in [int(b) for b in args.hf_batch.split(",")] if args.hf_batch else []:
         seconds[f"transformers float32, batch {batch}"] = run_hf(model_path, work, batch)
