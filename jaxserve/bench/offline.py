@@ -72,7 +72,7 @@ def sampling(work, temperature: float = 0.0, top_p: float = 1.0, regex: str | No
     ]  # fmt: skip
 
 
-def run_engine(cfg, work, params, static: bool, quiet: bool, regex: str | None = None) -> tuple[float, int, str]:
+def run_engine(cfg, work, params, static: bool, quiet: bool) -> tuple[float, int, str]:
     """Runs the workload (``params``: each request's SamplingParams) on a fresh engine;
     returns (seconds, output tokens, profile line)."""
     from jaxserve import LLM
@@ -92,7 +92,8 @@ def run_engine(cfg, work, params, static: bool, quiet: bool, regex: str | None =
         outputs += [r.output_token_ids for r in reqs]
     elapsed = time.perf_counter() - t0
     llm.runner.recording = None
-    if regex is None and [len(o) for o in outputs] != [m for _, m in work]:
+    constrained = any(p.regex is not None for p in params)  # may end early, when the regex is complete
+    if not constrained and [len(o) for o in outputs] != [m for _, m in work]:
         raise RuntimeError("a request did not produce its output length")
     stats, eng, run = llm.stats(), llm.engine.timings, llm.runner.timings
     steps = stats["steps"]
@@ -143,10 +144,11 @@ def run_hf(model_path, work, batch: int) -> float:
 
 
 def main(args: argparse.Namespace) -> int:
+    from jaxserve import SamplingParams
     from jaxserve.models.checkpoint import open_checkpoint
     from jaxserve.models.fetch import default_cache_dir, resolve_model
 
-    sampling([((), 1)], args.temperature, args.top_p)  # a bad value: its error before anything loads
+    SamplingParams(temperature=args.temperature, top_p=args.top_p)  # a bad value: its error before anything loads
     base = engine_config(args)
     rows = [("config", base, False, None)]
     for v in args.variant:
@@ -167,7 +169,7 @@ def main(args: argparse.Namespace) -> int:
     )
     seconds, produced = {}, {}
     for name, cfg, static, regex in rows:
-        seconds[name], produced[name], profile = run_engine(cfg, work, params[regex], static, args.quiet, regex)
+        seconds[name], produced[name], profile = run_engine(cfg, work, params[regex], static, args.quiet)
         print(f"  {name}: {profile}", flush=True)
     for batch in [int(b) for b in args.hf_batch.split(",")] if args.hf_batch else []:
         seconds[f"transformers float32, batch {batch}"] = run_hf(model_path, work, batch)

@@ -220,6 +220,9 @@ def _sample_rows(logits, md: SamplingMetadata) -> jax.Array:
     def by_p(x):  # less than top_p of the mass strictly above x
         return (md.top_p >= 1) | (jnp.where(logits > x[:, None], exp, 0.0).sum(axis=1) < md.top_p * total)
 
+    def every(x):
+        return jnp.ones(x.shape, bool)
+
     def one_round(state):
         r, pivot, token, done = state
 
@@ -232,9 +235,8 @@ def _sample_rows(logits, md: SamplingMetadata) -> jax.Array:
 
         drawn = draw(weight_blocks, jax.lax.dynamic_index_in_dim(uniforms, r, axis=1, keepdims=False))
         value = jnp.take_along_axis(logits, drawn[:, None], axis=1)[:, 0]
-        every = lambda x: jnp.ones(x.shape, bool)  # noqa: E731
         ok = jax.lax.cond(any_k, by_k, every, value) & jax.lax.cond(any_p, by_p, every, value)
-        return r + 1, jnp.where(done | ok, pivot, value), jnp.where(done, token, drawn), done | ok
+        return r + 1, jnp.where(done | ok, pivot, value), jnp.where(~done & ok, drawn, token), done | ok
 
     # Greedy rows, and rows with nothing to draw (every logit -inf, or NaN), do not draw.
     init = (jnp.int32(0), jnp.full((s,), -jnp.inf), jnp.zeros((s,), jnp.int32), (md.temperature <= 0) | ~(total > 0))
