@@ -554,17 +554,18 @@ def test_cpu_kernel_library_keeps_its_prefetches():
 
 @needs_cpu_kernel
 def test_cpu_kernel_fast_exp_is_bitwise_the_generic_one():
-    """With AVX-512 the softmax's exp runs as AVX-512's own floor and times-2^n
-    (vrndscaleps, vscalefps) instead of the generic vector code's conversions and shifts,
-    which the AVX2 path keeps: the same operations in the same order, so the same bits, for
-    every 16th float32 in [-100, 0] (the clamp at -87 included). The kernel's softmax thus
-    gives the same probabilities on AVX-512 and AVX2 CPUs, as before the faster form."""
+    """The softmax's exp in intrinsics gives the generic vector code's bits: with AVX-512
+    its own floor and times-2^n (vrndscaleps, vscalefps) for the generic conversions and
+    shifts, with AVX2 the same operations as the generic code on one 8-lane register. The
+    same operations in the same order, so the same bits, for every 16th float32 in [-100,
+    0] (the clamp at -87 included). The kernel's softmax thus gives the same probabilities
+    on AVX-512 and AVX2 CPUs, as before the faster forms."""
     lib = cpu_build.kernels().lib
     lib.JaxserveExpMismatches.restype = ctypes.c_int64
     lib.JaxserveExpMismatches.argtypes = [ctypes.c_float, ctypes.c_uint32]
     mismatches = lib.JaxserveExpMismatches(-100.0, 16)
     if mismatches < 0:
-        pytest.skip("no AVX-512 here: the generic exp is the only one")
+        pytest.skip("neither AVX-512 nor AVX2 here: the generic exp is the only one")
     assert mismatches == 0, f"{mismatches} values' exp differ between the AVX-512 and the generic code"
 
 

@@ -353,44 +353,78 @@ inline Lanes8 Half(const float* p) {
   return v;
 }
 
-// SoftmaxRow (below) on halves: the same lane-wise operations, the same maximum (exact in
+// SoftmaxRow (below) on halves, in place (without AVX-512 only the tile runner's
+// float32 softmax calls it): the same lane-wise operations, the same maximum (exact in
 // any order) and the same tree for the sum (its halves added, then SumLanes8).
-
-template <typename Store>
-JAXSERVE_FMA inline float SoftmaxRowHalves(const float* s, int32_t base, int32_t lo, int32_t pos, Store&& store) {
+JAXSERVE_FMA inline float SoftmaxRowHalves(float* s, int32_t base, int32_t lo, int32_t pos) {
+  const int32_t g_lo = (lo - base) / kLanes, g_hi = (pos - base) / kLanes;
+#if defined(__AVX2__) && defined(__FMA__)
+  // In intrinsics: on GCC's vectors each half went through the stack 16 bytes at a time
+  // on its way in and out (the 32-byte load after two 16-byte stores waiting on them),
+  // and the softmax was ~30% of a 500-token prefill's attention on a Zen 3.
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+  // Lanes of the 8 positions from `first` inside [lo, pos] (all ones), as a float mask.
+  auto visible = [&](int32_t first) {
+    const __m256i p = _mm256_add_epi32(iota, _mm256_set1_epi32(first));
+    const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32(lo), p), above = _mm256_cmpgt_epi32(p, _mm256_set1_epi32(pos));
+    return _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_or_si256(below, above), _mm256_set1_epi32(-1)));
+  };
+  __m256 mv = minus_inf;
+  for (int32_t g = g_lo; g <= g_hi; ++g) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 v = _mm256_loadu_ps(s + g * kLanes + 8 * h);
+      if (g == g_lo || g == g_hi) v = _mm256_blendv_ps(minus_inf, v, visible(base + g * kLanes + 8 * h));
+      mv = _mm256_max_ps(mv, v);  // mv > v ? mv : v
+    }
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  float m = lanes[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, lanes[i]);
+  const __m256 mb = _mm256_set1_ps(m);
+  __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int32_t g = g_lo; g <= g_hi; ++g) {
+    for (int h = 0; h < 2; ++h) {
+      float* at = s + g * kLanes + 8 * h;
+      __m256 v = jaxserve::ExpNonPositive256(_mm256_sub_ps(_mm256_loadu_ps(at), mb));
+      if (g == g_lo || g == g_hi) v = _mm256_and_ps(v, visible(base + g * kLanes + 8 * h));
+      _mm256_storeu_ps(at, v);
+      sum[h] = _mm256_add_ps(sum[h], v);
+    }
+  }
+  Lanes8 total;
+  const __m256 both = _mm256_add_ps(sum[0], sum[1]);
+  std::memcpy(&total, &both, sizeof total);
+  return SumLanes8(total);
+#else
   Ints8 iota;
   for (int i = 0; i < 8; ++i) iota[i] = i;
   const Lanes8 minus_inf = Lanes8{} - INFINITY;
-  const int32_t g_lo = (lo - base) / kLanes, g_hi = (pos - base) / kLanes;
   auto visible = [&](int32_t first) { return ((iota + first) >= lo) & ((iota + first) <= pos); };
   Lanes8 mv = minus_inf;
   for (int32_t g = g_lo; g <= g_hi; ++g) {
     const int32_t first = base + g * kLanes;
     for (int h = 0; h < 2; ++h) {
-      Lanes8 v;
-      std::memcpy(&v, s + g * kLanes + 8 * h, sizeof v);
+      Lanes8 v = Half(s + g * kLanes + 8 * h);
       if (g == g_lo || g == g_hi) v = visible(first + 8 * h) ? v : minus_inf;
       mv = mv > v ? mv : v;
     }
   }
   float m = mv[0];
   for (int i = 1; i < 8; ++i) m = std::max(m, mv[i]);
-  Lanes8 sum_lo{}, sum_hi{};
+  Lanes8 sum[2] = {};
   for (int32_t g = g_lo; g <= g_hi; ++g) {
     const int32_t first = base + g * kLanes;
-    Lanes8 v[2];
     for (int h = 0; h < 2; ++h) {
-      std::memcpy(&v[h], s + g * kLanes + 8 * h, sizeof v[h]);
-      v[h] = ExpNonPositive<Lanes8, Ints8>(v[h] - m);
-      if (g == g_lo || g == g_hi) v[h] = visible(first + 8 * h) ? v[h] : Lanes8{};
+      Lanes8 v = ExpNonPositive<Lanes8, Ints8>(Half(s + g * kLanes + 8 * h) - m);
+      if (g == g_lo || g == g_hi) v = visible(first + 8 * h) ? v : Lanes8{};
+      std::memcpy(s + g * kLanes + 8 * h, &v, sizeof v);
+      sum[h] += v;
     }
-    Lanes p;
-    std::memcpy(&p, v, sizeof p);
-    store(g, p);
-    sum_lo += v[0];
-    sum_hi += v[1];
   }
-  return SumLanes8(sum_lo + sum_hi);
+  return SumLanes8(sum[0] + sum[1]);
+#endif
 }
 
 // Softmax of one row over its own positions [lo, pos], exactly (two passes, no online
@@ -398,11 +432,11 @@ JAXSERVE_FMA inline float SoftmaxRowHalves(const float* s, int32_t base, int32_t
 // whatever the tile. s holds the row's scores from position base (a multiple of 16) on.
 // Each group that [lo, pos] touches goes to store(g, probabilities), 0 outside [lo, pos]
 // (so the p * V step adds nothing for them). Returns the sum of the probabilities.
+// With AVX-512 only (the AMX runner's store splits each group into bfloat16 halves);
+// elsewhere SoftmaxRowHalves, in place.
+#ifdef __AVX512F__
 template <typename Store>
 JAXSERVE_FMA inline float SoftmaxRow(const float* s, int32_t base, int32_t lo, int32_t pos, Store&& store) {
-#ifndef __AVX512F__
-  return SoftmaxRowHalves(s, base, lo, pos, store);
-#else
   // In intrinsics, the store taken by value: written on GCC's vectors, the running sum
   // lived on the stack (each group's add waited for the last one's store) and the store's
   // pointers were reloaded from its closure every group. Bitwise the same results; a
@@ -450,8 +484,8 @@ JAXSERVE_FMA inline float SoftmaxRow(const float* s, int32_t base, int32_t lo, i
   Lanes8 total;
   std::memcpy(&total, &half, sizeof total);
   return SumLanes8(total);
-#endif
 }
+#endif
 
 
 // Reduce16's levels 2-4 on one 8-lane half (Reduce16's 16-lane shuffles never cross the
@@ -665,7 +699,34 @@ JAXSERVE_FMA inline void GroupScoresTransposed(const float* const* q, const floa
 // lane still sums its 16 products in ascending key order, so the result is the same.
 template <int C, int R>
 JAXSERVE_FMA inline void GroupValues(Lanes* acc, const float* const* p, const Lanes* values, int64_t chunks) {
-#ifndef __AVX512F__
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  // In intrinsics, and H halves at a time so that H x R = 8 accumulators are in flight:
+  // with R = 4 alone each waited on its own last multiply-add (4 cycles on a Zen 3: half
+  // the two FMA units idle), and GCC's vectors stored them through the stack 16 bytes at a
+  // time. The same products in the same order per output lane.
+  if constexpr (C > 0) {
+    constexpr int H = R >= 8 ? 1 : 8 / R;
+    static_assert((2 * C) % H == 0, "head_dim's halves come in blocks of H");
+    float* accf = reinterpret_cast<float*>(acc);
+    const float* vf = reinterpret_cast<const float*>(values);
+    for (int h0 = 0; h0 < 2 * C; h0 += H) {
+      __m256 a[R][H];
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < H; ++h) a[r][h] = _mm256_loadu_ps(accf + r * C * kLanes + (h0 + h) * 8);
+      for (int j = 0; j < kLanes; ++j) {
+        __m256 v[H];
+        for (int h = 0; h < H; ++h) v[h] = _mm256_loadu_ps(vf + j * C * kLanes + (h0 + h) * 8);
+        for (int r = 0; r < R; ++r) {
+          const __m256 pj = _mm256_broadcast_ss(p[r] + j);
+          for (int h = 0; h < H; ++h) a[r][h] = _mm256_fmadd_ps(pj, v[h], a[r][h]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < H; ++h) _mm256_storeu_ps(accf + r * C * kLanes + (h0 + h) * 8, a[r][h]);
+    }
+    return;
+  }
+#elif !defined(__AVX512F__)
   if constexpr (C > 0) {
     float* accf = reinterpret_cast<float*>(acc);
     const float* vf = reinterpret_cast<const float*>(values);
@@ -784,7 +845,11 @@ class TileRunner {
     denom_.resize(rows);
     for (int r = 0; r < rows; ++r) {
       float* s = &scores_[r * width];
+#ifdef __AVX512F__
       denom_[r] = SoftmaxRow(s, base, lo_[r], pos_[r], [s](int32_t g, Lanes p) { std::memcpy(s + g * kLanes, &p, sizeof p); });
+#else
+      denom_[r] = SoftmaxRowHalves(s, base, lo_[r], pos_[r]);
+#endif
     }
 
     // 3. Output: sum of p * V in ascending position order, per row, kValueRows rows at once
@@ -1511,7 +1576,7 @@ extern "C" int JaxserveAttentionAmx() { return AttentionUsesAmx() ? 1 : 0; }
 // of `stride` from lo's get another exp from ExpNonPositive (the vector code the softmax
 // runs) than from ExpNonPositiveGeneric, bit for bit; -1 without AVX-512 (one code).
 extern "C" int64_t JaxserveExpMismatches(float lo, uint32_t stride) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   uint32_t bits, end;
   const float zero = -0.0f;
   std::memcpy(&bits, &lo, sizeof bits);
@@ -1523,7 +1588,16 @@ extern "C" int64_t JaxserveExpMismatches(float lo, uint32_t stride) {
       const uint32_t u = static_cast<uint32_t>(std::max<int64_t>(b, end));
       std::memcpy(&x[i], &u, sizeof u);
     }
-    const Lanes fast = ExpNonPositive(x), generic = jaxserve::ExpNonPositiveGeneric<Lanes, Ints>(x);
+    const Lanes generic = jaxserve::ExpNonPositiveGeneric<Lanes, Ints>(x);
+#ifdef __AVX512F__
+    const Lanes fast = ExpNonPositive(x);
+#else
+    Lanes fast;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 e = jaxserve::ExpNonPositive256(_mm256_loadu_ps(reinterpret_cast<const float*>(&x) + 8 * h));
+      _mm256_storeu_ps(reinterpret_cast<float*>(&fast) + 8 * h, e);
+    }
+#endif
     for (int i = 0; i < kLanes; ++i) mismatches += std::memcmp(&fast[i], &generic[i], sizeof(float)) != 0;
   }
   return mismatches;
