@@ -669,10 +669,48 @@ inline void Store16(SwiGluLanes h, uint16_t* out) {
 #endif
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// SwiGlu16's generic code on one AVX2 register, in intrinsics: the same lane-wise
+// operations (cpu_exp.h's exp, a true division), so bitwise the same values. GCC keeps
+// 16-lane vectors in memory on AVX2, and the SwiGLU took ~10% of a 500-token prefill's
+// gate-and-up product on a Zen 3.
+JAXSERVE_FMA inline __m256 SwiGlu8(__m256 g, __m256 u) {
+  const __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+  const __m256 e = jaxserve::ExpNonPositive256(_mm256_blendv_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), g, negative));
+  const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(_mm256_set1_ps(1.0f), e, negative), _mm256_add_ps(e, _mm256_set1_ps(1.0f)));
+  return _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), u);
+}
+
+inline void Store8(__m256 h, float* out) { _mm256_storeu_ps(out, h); }
+inline void Store8(__m256 h, uint16_t* out) {  // Store16's generic rounding, 8 lanes at a time
+  typedef uint32_t U __attribute__((vector_size(32)));
+  typedef uint16_t U16 __attribute__((vector_size(16)));
+  U bits;
+  std::memcpy(&bits, &h, sizeof bits);
+  const U rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const U narrow = (bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded;  // NaN stays NaN
+  const U16 out16 = __builtin_convertvector(narrow, U16);
+  std::memcpy(out, &out16, sizeof out16);
+}
+#endif
+
 // JAXSERVE_FMA as SwiGlu16's: GCC inlines no function whose optimize attributes differ
 // (without AVX-512 SwiGlu16 was a call per 16 values, its vectors passed in memory).
 template <typename Out>
 JAXSERVE_FMA void SwiGlu(const float* g, const float* u, Out* out, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) Store8(SwiGlu8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)), out + i);
+  if (i < n) {  // the same code on a padded copy
+    float gp[8] = {}, up[8] = {};
+    Out op[8];
+    std::memcpy(gp, g + i, (n - i) * sizeof(float));
+    std::memcpy(up, u + i, (n - i) * sizeof(float));
+    Store8(SwiGlu8(_mm256_loadu_ps(gp), _mm256_loadu_ps(up)), op);
+    std::memcpy(out + i, op, (n - i) * sizeof(Out));
+  }
+  return;
+#endif
   SwiGluLanes gv, uv;
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
