@@ -20,7 +20,7 @@ from jaxserve.plan import resolve_plan
 from pallas_kernels.ragged_paged_attention import BlockSizes, cpu, gpu, ref_ragged_paged_attention, ref_write_kv, tpu
 from pallas_kernels.ragged_paged_attention.common import QuantizedKV, quantize_rows
 from tests.conftest import TINY, rng_tokens
-from tests.test_attention_kernels import make_case
+from tests.test_attention_kernels import _run, make_case
 
 KV8 = ["int8", "float8_e4m3fn"]
 TINY_CONFIG = config_from_hf({"model_type": "llama", **TINY})
@@ -73,13 +73,12 @@ def _quantized_case(c, kv_dtype, scale_lanes=None):
     return QuantizedKV(jnp.asarray(values), jnp.asarray(scales)), as_float
 
 
-def _attend(write, attend, cache, c, window, **kw):
-    cache = write(cache, np.int32(1), c.slot_mapping, c.k_new, c.v_new, **kw)
-    out = attend(
-        c.q, cache, np.int32(1), c.kv_lens, c.page_table, c.query_start_loc, np.int32(window),
-        sm_scale=c.q.shape[2] ** -0.5, block_sizes=BlockSizes(block_q=16, block_pages=2), **kw,
-    )  # fmt: skip
-    return cache, np.asarray(out)
+def _attend(write, attend, cache, c, window, interpret=False):
+    """``c``'s write and attention over ``cache`` (test_attention_kernels' ``_run``; the
+    Pallas kernels interpreted, compiled without LLVM's optimizer)."""
+    return _run(
+        write, attend, dataclasses.replace(c, kv_cache=cache), window, BlockSizes(block_q=16, block_pages=2), interpret
+    )
 
 
 KERNELS = {
@@ -119,11 +118,10 @@ def test_an_8bit_cache_reads_as_its_dequantized_values(
     48 takes the CPU kernel's generic path; NaN scales on unwritten rows catch stray reads."""
     write, attend = KERNELS[backend]
     seqs = [(1, 33), (12, 20), (1, 9), (16, 16), (3, 30), (1, 1), (9, 70)]  # decodes and chunks
-    kw = {"interpret": True} if backend.startswith("pallas") else {}
     layout = {"cache_shape_fn": LAYOUTS[backend]} if backend in LAYOUTS else {}
     c = make_case(seqs, num_heads, num_kv_heads, head_dim, window=window, page_size=page_size, **layout)
     cache, as_float = _quantized_case(c, kv_dtype, tpu.scale_lanes(page_size) if backend == "pallas_tpu" else None)
-    cache, out = _attend(write, attend, cache, c, window, **kw)
+    cache, out = _attend(write, attend, cache, c, window, interpret=backend.startswith("pallas"))
     _, expected = _attend(ref_write_kv, ref_ragged_paged_attention, as_float.kv_cache, as_float, window)
     n = c.num_real_tokens
     np.testing.assert_allclose(out[:n], expected[:n], atol=2e-5, rtol=2e-5)
