@@ -101,9 +101,14 @@ def build(
         raise BuildError(f"{type(e).__name__}: {e}") from None
 
 
+def include_args() -> tuple[str, ...]:
+    """The include paths every source compiles with: XLA's FFI headers, and this package's."""
+    return (f"-I{jax.ffi.include_dir()}", f"-I{ROOT.parent}")
+
+
 def _compile_and_link(compiler, sources, compile_args, link_args, library: pathlib.Path) -> None:
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-        includes = (f"-I{jax.ffi.include_dir()}", f"-I{ROOT.parent}")
+        includes = include_args()
         objects = [pathlib.Path(tmp) / f"{i}_{source.stem}.o" for i, source in enumerate(sources)]
         commands = [
             [compiler, *FLAGS, "-fPIC", *includes, *compile_args, "-c", str(source), "-o", str(obj)]

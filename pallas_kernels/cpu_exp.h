@@ -62,7 +62,7 @@ JAXSERVE_FMA inline __m512 ExpNonPositive512(__m512 x) {
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
 // ExpNonPositiveGeneric on one AVX2 register, in intrinsics: the same operations on the
 // same values in the same order (its floor as vroundps, exact for these magnitudes; its
 // clamp as vmaxps with the bound first, which keeps a NaN as the generic select does), so

@@ -648,6 +648,23 @@ JAXSERVE_FMA inline SwiGluLanes SwiGlu16(SwiGluLanes g, SwiGluLanes u) {
 #endif
 }
 
+// cpu_bf16.h's Bf16Bits on the float32 lanes at `x` (as many as U holds) at a time, into
+// as many bfloat16 bits (U16).
+typedef uint32_t Bits32x16 __attribute__((vector_size(64)));
+typedef uint16_t Bits16x16 __attribute__((vector_size(32)));
+typedef uint32_t Bits32x8 __attribute__((vector_size(32)));
+typedef uint16_t Bits16x8 __attribute__((vector_size(16)));
+
+template <typename U, typename U16>
+inline void Bf16BitsLanes(const void* x, uint16_t* out) {
+  U bits;
+  std::memcpy(&bits, x, sizeof bits);
+  const U rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const U narrow = (bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded;  // NaN stays NaN
+  const U16 out16 = __builtin_convertvector(narrow, U16);
+  std::memcpy(out, &out16, sizeof out16);
+}
+
 inline void Store16(SwiGluLanes h, float* out) { std::memcpy(out, &h, sizeof h); }
 inline void Store16(SwiGluLanes h, uint16_t* out) {
 #ifdef __AVX512BF16__
@@ -657,15 +674,7 @@ inline void Store16(SwiGluLanes h, uint16_t* out) {
   std::memcpy(&x, &h, sizeof x);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
 #else
-  // cpu_bf16.h's Bf16Bits, 16 lanes at a time.
-  typedef uint32_t U __attribute__((vector_size(64)));
-  typedef uint16_t U16 __attribute__((vector_size(32)));
-  U bits;
-  std::memcpy(&bits, &h, sizeof bits);
-  const U rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const U narrow = (bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded;  // NaN stays NaN
-  const U16 out16 = __builtin_convertvector(narrow, U16);
-  std::memcpy(out, &out16, sizeof out16);
+  Bf16BitsLanes<Bits32x16, Bits16x16>(&h, out);
 #endif
 }
 
@@ -682,16 +691,7 @@ JAXSERVE_FMA inline __m256 SwiGlu8(__m256 g, __m256 u) {
 }
 
 inline void Store8(__m256 h, float* out) { _mm256_storeu_ps(out, h); }
-inline void Store8(__m256 h, uint16_t* out) {  // Store16's generic rounding, 8 lanes at a time
-  typedef uint32_t U __attribute__((vector_size(32)));
-  typedef uint16_t U16 __attribute__((vector_size(16)));
-  U bits;
-  std::memcpy(&bits, &h, sizeof bits);
-  const U rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const U narrow = (bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded;  // NaN stays NaN
-  const U16 out16 = __builtin_convertvector(narrow, U16);
-  std::memcpy(out, &out16, sizeof out16);
-}
+inline void Store8(__m256 h, uint16_t* out) { Bf16BitsLanes<Bits32x8, Bits16x8>(&h, out); }
 #endif
 
 // JAXSERVE_FMA as SwiGlu16's: GCC inlines no function whose optimize attributes differ

@@ -1,11 +1,16 @@
 """The CPU kernels' build: sources compile in parallel, a second builder of the same
-library waits for the first instead of compiling it again, a failure names its source."""
+library waits for the first instead of compiling it again, a failure names its source;
+the kernels' sources compile for the x86 CPU classes this machine is not."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import os
+import platform
+import shutil
 import stat
+import subprocess
 import threading
 
 import pytest
@@ -63,3 +68,38 @@ def test_a_failed_compile_names_its_source(tmp_path, logged_compiler):
     with pytest.raises(cpu_build.BuildError, match=r"(?s)compiling two.cc failed:.*undefined_name"):
         cpu_build.build(sources, "test_lib_broken")
     assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-built is left to load
+
+
+# The kernels take other paths (#if) on AVX2, on AVX-512 with and without bfloat16 and with
+# AMX; a build covers only its own machine's. A change that compiled here once broke every
+# AVX-512 build (a function defined for AVX2 without AVX-512 only, called from code that
+# AVX-512 builds compile too). GCC's names: x86-64-v3 is AVX2 + FMA; sapphirerapids has
+# AVX-512, its bfloat16 and AMX.
+OTHER_CPUS = ("x86-64-v3", "sapphirerapids")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the x86 CPU classes' paths")
+def test_the_kernels_compile_for_the_other_x86_cpu_classes():
+    """Every source of the library, checked by the compiler (-fsyntax-only: no code made)
+    as for each of OTHER_CPUS, with the build's own flags and include paths."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    try:
+        onednn_include = cpu_build.onednn()[0]
+    except cpu_build.BuildError as e:
+        pytest.skip(f"no oneDNN headers: {e}")
+    flags = [f for f in cpu_build.FLAGS if not f.startswith("-march=")]
+    commands = [
+        [compiler, *flags, f"-march={cpu}", "-fsyntax-only", "-fopenmp", *cpu_build.include_args(), f"-I{onednn_include}", str(source)]
+        for cpu in OTHER_CPUS
+        for source in (cpu_build.ATTENTION, cpu_build.MATMUL, cpu_build.INT8)
+    ]  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        procs = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), commands))
+    failed = [
+        f"{cmd[len(flags) + 1]} {cmd[-1]}:\n{p.stderr[-2000:]}"
+        for cmd, p in zip(commands, procs, strict=True)
+        if p.returncode
+    ]
+    assert not failed, "\n".join(failed)
