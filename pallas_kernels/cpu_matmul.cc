@@ -709,8 +709,7 @@ JAXSERVE_FMA void SwiGlu(const float* g, const float* u, Out* out, int64_t n) {
     Store8(SwiGlu8(_mm256_loadu_ps(gp), _mm256_loadu_ps(up)), op);
     std::memcpy(out + i, op, (n - i) * sizeof(Out));
   }
-  return;
-#endif
+#else
   SwiGluLanes gv, uv;
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
@@ -728,6 +727,7 @@ JAXSERVE_FMA void SwiGlu(const float* g, const float* u, Out* out, int64_t n) {
     Store16(SwiGlu16(gv, uv), op);
     std::memcpy(out + j, op, (n - j) * sizeof(Out));
   }
+#endif
 }
 
 // Rows per block of a SwiGLU call: each block's [rows, 2 * width] product lands in a
