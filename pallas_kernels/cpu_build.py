@@ -61,6 +61,18 @@ INT8 = ROOT / "cpu_int8.cc"
 _ONEDNN_RUNTIME, _ONEDNN_HEADERS = "onednn-cpu-gomp", "onednn-devel-cpu-gomp"
 
 
+def find_compiler() -> str:
+    """The C++ compiler: ``$CXX``, else the first of c++, g++, clang++ on the PATH.
+
+    Raises:
+        BuildError: none found.
+    """
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        raise BuildError("no C++ compiler found (set $CXX or install g++)")
+    return compiler
+
+
 def build(
     sources: tuple[pathlib.Path, ...],
     name: str,
@@ -80,9 +92,7 @@ def build(
     Raises:
         BuildError: no compiler, a failed compile, or a library that does not load.
     """
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if compiler is None:
-        raise BuildError("no C++ compiler found (set $CXX or install g++)")
+    compiler = find_compiler()
     key = hashlib.sha256()
     headers = sorted(ROOT.glob("*.h"))
     parts = (*(p.read_bytes() for p in (*sources, *headers)), " ".join([compiler, *FLAGS, *compile_args, *link_args]))

@@ -8,7 +8,6 @@ import concurrent.futures
 import ctypes
 import os
 import platform
-import shutil
 import stat
 import subprocess
 import threading
@@ -82,13 +81,10 @@ OTHER_CPUS = ("x86-64-v3", "sapphirerapids")
 def test_the_kernels_compile_for_the_other_x86_cpu_classes():
     """Every source of the library, checked by the compiler (-fsyntax-only: no code made)
     as for each of OTHER_CPUS, with the build's own flags and include paths."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        pytest.skip("no C++ compiler")
     try:
-        onednn_include = cpu_build.onednn()[0]
+        compiler, onednn_include = cpu_build.find_compiler(), cpu_build.onednn()[0]
     except cpu_build.BuildError as e:
-        pytest.skip(f"no oneDNN headers: {e}")
+        pytest.skip(f"no compiler or no oneDNN headers: {e}")
     flags = [f for f in cpu_build.FLAGS if not f.startswith("-march=")]
     commands = [
         [compiler, *flags, f"-march={cpu}", "-fsyntax-only", "-fopenmp", *cpu_build.include_args(), f"-I{onednn_include}", str(source)]
