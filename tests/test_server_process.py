@@ -1,4 +1,5 @@
-"""`jaxserve run` as a real process: start-up, SIGTERM drain, Ctrl-C, exit codes."""
+"""`jaxserve run` as a real process: start-up, SIGTERM drain, Ctrl-C, exit codes; and a
+script that builds an ``LLM`` and ends at once."""
 
 from __future__ import annotations
 
@@ -100,3 +101,18 @@ def test_a_second_signal_during_drain_ends_it_at_once(tiny_model_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_script_that_ends_right_after_building_an_llm_exits_0(tiny_model_dir):
+    """The KV cache is zeroed on a thread of its own while the warm-up loads programs. With
+    no warm-up the script can end while that thread is inside XLA; the interpreter must wait
+    for it, not kill it there (which aborted the process: "terminate called ...", exit 134).
+    A 512 MB cache keeps the thread busy well past the script's end."""
+    path, _ = tiny_model_dir("llama")
+    script = (
+        "import sys; from jaxserve import LLM; "
+        "LLM(sys.argv[1], dtype='float32', page_size=16, num_pages=65536, warmup=False, progress=False)"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "terminate called" not in done.stderr

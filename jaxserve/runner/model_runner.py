@@ -264,7 +264,10 @@ def copy_pages(kv_cache, src, dst):
 
 
 def _in_background(fn) -> concurrent.futures.Future:
-    """``fn()`` on a daemon thread (Ctrl-C during start-up need not wait for it)."""
+    """``fn()`` on a thread of its own. Not a daemon: the interpreter ends a daemon thread
+    wherever it is, and one inside an XLA call aborts the process (a script that ends right
+    after building an ``LLM`` without warm-up did: "terminate called ...", exit 134). Exit
+    waits for ``fn`` instead: about a second at most (zeroing the KV cache)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:
@@ -273,7 +276,7 @@ def _in_background(fn) -> concurrent.futures.Future:
         except BaseException as e:
             future.set_exception(e)
 
-    threading.Thread(target=run, name="jaxserve-kv-cache", daemon=True).start()
+    threading.Thread(target=run, name="jaxserve-kv-cache").start()
     return future
 
 
