@@ -3,6 +3,9 @@ streaming, errors, and the same outputs offline and over gRPC."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from jaxserve import LLM, lang
@@ -267,3 +270,31 @@ def test_select_agrees_with_transformers_summed_logprobs(tiny_model_dir):
         np.testing.assert_allclose(state.scores["answer"], ref, atol=1e-4)
         assert state["answer"] == choices[int(np.argmax(ref))]
     llm.scheduler.check_integrity()
+
+
+# A script that leaves a program's stream early and ends with its backend still open.
+LEAVES_EARLY = """
+import sys
+from jaxserve import LLM, lang
+llm = LLM(sys.argv[1], dtype="float32", num_pages=64, max_num_seqs=4, max_num_batched_tokens=64, progress=False)
+
+@lang.function
+def story(s):
+    s += lang.user("Tell me a long story.")
+    s += lang.assistant(lang.gen("story", max_tokens=400, temperature=0.0, ignore_eos=True))
+
+for i, piece in enumerate(story.stream(lang.LLMBackend(llm))):
+    if i == 3:
+        break
+"""
+
+
+def test_a_script_that_ends_with_its_backend_still_generating_exits_0(tiny_path):
+    """The backend's engine thread is still stepping the abandoned run when the script
+    ends: it is stopped at exit, between steps (the interpreter used to end it inside an
+    XLA call, which aborted the process: "terminate called ...", exit 134)."""
+    done = subprocess.run(
+        [sys.executable, "-c", LEAVES_EARLY, str(tiny_path)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "terminate called" not in done.stderr

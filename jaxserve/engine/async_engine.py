@@ -12,6 +12,7 @@ deltas travel back with ``loop.call_soon_threadsafe`` (or ``queue.put``).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
 import dataclasses
@@ -20,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from jaxserve.engine.engine import Engine
@@ -28,6 +30,19 @@ from jaxserve.errors import JaxServeError
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Engine threads started and not yet stopped. They are daemons (a forgotten one must not
+# keep a script alive), and the interpreter ends a daemon thread wherever it is at exit:
+# one inside an XLA call aborts the process ("terminate called ...", exit 134). So the
+# interpreter's exit stops them first, each between two steps (atexit runs before daemon
+# threads are ended): e.g. a script that leaves a program's stream early.
+_RUNNING: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    for thread in list(_RUNNING):
+        thread.stop()
 
 
 class QueueFullError(JaxServeError):
@@ -146,6 +161,7 @@ class EngineThread:
         compiling every step bucket) runs first on that thread. Requests submitted meanwhile wait."""
         self.claim()
         self._warmup = warmup
+        _RUNNING.add(self)
         self._thread.start()
 
     @property
@@ -160,6 +176,7 @@ class EngineThread:
             raise self._start_error
 
     def stop(self) -> None:
+        _RUNNING.discard(self)
         self._stop.set()
         self._commands.put(("wake",))
         if self._thread.is_alive():
