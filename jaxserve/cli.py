@@ -220,9 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (mesh.model=8)")
     p.add_argument("--topology", required=True, help="compile-only devices: v5e:2x2, v5e:2x4, v6e:2x2, v5p:2x2x1")
     p.add_argument("--arch", default=None, help="model architecture: a preset (llama3-8b, ...) or a config.json")
-    p.add_argument("--context", type=int, default=1024, help="tokens each sequence attends to, for the roofline")
-    p.add_argument("--batch", type=int, default=None, help="sequences in the decode roofline (default max_num_seqs)")
-    p.add_argument("--bucket", action="append", type=bench.span, metavar="TOKENS:SEQS", help="compile only these")
+    p.add_argument(
+        "--context", type=bench.at_least(1), default=1024, help="tokens each sequence attends to, for the roofline"
+    )
+    p.add_argument(
+        "--batch", type=bench.at_least(1), default=None, help="sequences in the decode roofline (default max_num_seqs)"
+    )
+    p.add_argument("--bucket", action="append", type=bench.bucket, metavar="TOKENS:SEQS", help="compile only these")
     p.set_defaults(func=_cmd_compile)
 
     p = sub.add_parser("run", help="serve a model over gRPC")

@@ -198,14 +198,25 @@ def test_bench_variant_errors_name_the_format(capsys):
 
 
 @pytest.mark.parametrize(
-    "argv", [["bench", "serve", "--input-len", "abc"], ["compile", "--topology", "v5e:2x2", "--bucket", "x:y"]]
+    "argv, says",
+    [
+        (["bench", "serve", "--input-len", "abc"], "'abc': expected LO:HI or N, integers"),
+        (["bench", "offline", "--prompt", "300:100"], "'300:100': must be LO:HI with 1 <= LO <= HI"),
+        (["bench", "offline", "--output", "0"], "'0': must be LO:HI with 1 <= LO <= HI"),
+        (["bench", "offline", "--requests", "0"], "0: must be an integer >= 1"),  # was a traceback
+        (["bench", "latency", "--prompt-len", "-5"], "-5: must be an integer >= 1"),  # was -235 tok/s
+        (["bench", "serve", "--vocab", "1"], "1: must be an integer >= 2"),
+        (["bench", "serve", "--interval", "nan"], "nan: must be a number of seconds > 0"),
+        (["bench", "agent", "--max-concurrency", "0"], "0: must be an integer >= 1"),
+        (["compile", "--topology", "v5e:2x2", "--bucket", "x:y"], "'x:y': expected TOKENS:SEQS, integers"),
+        (["compile", "--topology", "v5e:2x2", "--bucket", "64:0"], "'64:0': must be TOKENS:SEQS, both >= 1"),
+    ],
 )
-def test_a_bad_range_is_one_usage_error_naming_the_flag(argv, capsys):
+def test_a_bad_number_is_one_usage_error_naming_the_flag(argv, says, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
-    flag = argv[-2]
-    assert f"argument {flag}: invalid span value" in capsys.readouterr().err
+    assert f"error: argument {argv[-2]}: {says}\n" in capsys.readouterr().err
 
 
 def test_bench_agent_counts_the_shared_prefix_once(tiny_model_dir, capsys):

@@ -64,11 +64,56 @@ def engine_config(args: argparse.Namespace, *sets: str) -> EngineConfig:
     return cfg
 
 
+def at_least(minimum: int):
+    """An argparse ``type``: an integer >= ``minimum`` (a bad value is one usage error
+    naming the flag, not a traceback or a nonsense figure later)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= {minimum}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value}: must be an integer >= {minimum}")
+        return value
+
+    return parse
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse ``type``: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds > 0") from None
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text}: must be a number of seconds > 0")
+    return value
+
+
 def span(text: str) -> tuple[int, int]:
-    """``LO:HI`` (or ``N``) -> (lo, hi): a length range of a workload, or a TOKENS:SEQS
-    bucket (an argparse ``type``: a bad value is one usage error naming the flag)."""
+    """``LO:HI`` (or ``N``) -> (lo, hi): a range of token counts, 1 <= LO <= HI (an
+    argparse ``type``: a bad value is one usage error naming the flag)."""
     lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
+    try:
+        bounds = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LO:HI or N, integers") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be LO:HI with 1 <= LO <= HI")
+    return bounds
+
+
+def bucket(text: str) -> tuple[int, int]:
+    """``TOKENS:SEQS`` -> (tokens, seqs), both >= 1: a step bucket pair (an argparse ``type``)."""
+    tokens, sep, seqs = text.partition(":")
+    try:
+        pair = int(tokens), int(seqs)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected TOKENS:SEQS, integers") from None
+    if not sep or min(pair) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be TOKENS:SEQS, both >= 1")
+    return pair
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:

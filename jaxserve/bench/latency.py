@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from jaxserve.bench import add_engine_options, engine_config, footer
+from jaxserve.bench import add_engine_options, at_least, engine_config, footer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_options(p)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=at_least(1), default=512)
+    p.add_argument("--new-tokens", type=at_least(1), default=64)
 
 
 def main(args: argparse.Namespace) -> int:

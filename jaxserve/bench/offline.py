@@ -32,12 +32,12 @@ import json
 import random
 import time
 
-from jaxserve.bench import add_engine_options, engine_config, footer, parse_variant, span
+from jaxserve.bench import add_engine_options, at_least, engine_config, footer, parse_variant, span
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_options(p)
-    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--requests", type=at_least(1), default=32)
     p.add_argument("--prompt", type=span, default="100:300", help="prompt length range LO:HI")
     p.add_argument("--output", type=span, default="16:128", help="output length range LO:HI")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]")

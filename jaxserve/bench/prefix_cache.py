@@ -12,19 +12,19 @@ import argparse
 import random
 import time
 
-from jaxserve.bench import add_engine_options, engine_config, footer
+from jaxserve.bench import add_engine_options, at_least, engine_config, footer
 
 MODES = {"off": "enable_prefix_caching=false", "page": "prefix_match=page", "token": "prefix_match=token"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_options(p)
-    p.add_argument("--groups", type=int, default=4)
-    p.add_argument("--questions", type=int, default=8)
-    p.add_argument("--system-len", type=int, default=256)
-    p.add_argument("--question-len", type=int, default=24)
-    p.add_argument("--short-len", type=int, default=10, help="shared prefix of the short variant (< page_size)")
-    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--groups", type=at_least(1), default=4)
+    p.add_argument("--questions", type=at_least(1), default=8)
+    p.add_argument("--system-len", type=at_least(1), default=256)
+    p.add_argument("--question-len", type=at_least(1), default=24)
+    p.add_argument("--short-len", type=at_least(1), default=10, help="shared prefix of the short variant (< page_size)")
+    p.add_argument("--output-len", type=at_least(1), default=16)
 
 
 def workload(groups: int, questions: int, system_len: int, question_len: int, vocab: int, seed: int):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from jaxserve.bench import add_engine_options, engine_config, footer
+from jaxserve.bench import add_engine_options, at_least, engine_config, footer
 
 TOPICS = ("billing", "shipping", "returns", "accounts", "security", "outages", "refunds", "upgrades")
 TASKS = (
@@ -45,10 +45,10 @@ def system_prompt(tokenizer, min_tokens: int) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_options(p)
-    p.add_argument("--tasks", type=int, default=32, help=f"runs (at most {len(TASKS)})")
-    p.add_argument("--system-tokens", type=int, default=1000)
+    p.add_argument("--tasks", type=at_least(1), default=32, help=f"runs (at most {len(TASKS)})")
+    p.add_argument("--system-tokens", type=at_least(1), default=1000)
     p.add_argument("--max-tokens", default="200,100,500", help="of the Analysis, Action and Result gens")
-    p.add_argument("--max-concurrency", type=int, default=32)
+    p.add_argument("--max-concurrency", type=at_least(1), default=32)
 
 
 def main(args: argparse.Namespace) -> int:

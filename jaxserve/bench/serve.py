@@ -35,7 +35,7 @@ import httpx
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.bench import footer, plot, span
+from jaxserve.bench import at_least, footer, plot, positive_seconds, span
 from jaxserve.client import build_request
 from jaxserve.errors import ConfigError
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
@@ -322,7 +322,7 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--model", default=None, help="HTTP: the model to ask for (default: the first at /v1/models)")
     p.add_argument("--workload", choices=WORKLOADS, default="random")
-    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--num-requests", type=at_least(1), default=64)
     p.add_argument(
         "--concurrency", type=_values(int), default=[16], help="requests in flight at most; a list sweeps it"
     )
@@ -334,15 +334,15 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--input-len", type=span, default="100:300", help="prompt length range LO:HI")
     p.add_argument("--output-len", type=span, default="16:128", help="output length range LO:HI")
-    p.add_argument("--groups", type=int, default=8, help="shared-prefix: system prompts")
-    p.add_argument("--system-len", type=int, default=512, help="shared-prefix: system prompt tokens")
-    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
-    p.add_argument("--steady-streams", type=int, default=4, help="interference: decode streams")
-    p.add_argument("--steady-output-len", type=int, default=256, help="interference: tokens per steady stream")
-    p.add_argument("--long-prompt-len", type=int, default=1024, help="interference: long prompt tokens")
-    p.add_argument("--interval", type=float, default=2.0, help="interference: seconds between long prompts")
-    p.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
-    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--groups", type=at_least(1), default=8, help="shared-prefix: system prompts")
+    p.add_argument("--system-len", type=at_least(1), default=512, help="shared-prefix: system prompt tokens")
+    p.add_argument("--turns", type=at_least(1), default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--steady-streams", type=at_least(1), default=4, help="interference: decode streams")
+    p.add_argument("--steady-output-len", type=at_least(1), default=256, help="interference: tokens per steady stream")
+    p.add_argument("--long-prompt-len", type=at_least(1), default=1024, help="interference: long prompt tokens")
+    p.add_argument("--interval", type=positive_seconds, default=2.0, help="interference: seconds between long prompts")
+    p.add_argument("--vocab", type=at_least(2), default=49152, help="token ids are drawn below this")
+    p.add_argument("--timeout", type=positive_seconds, default=3600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="a sweep's curves as a PNG here (matplotlib)")
