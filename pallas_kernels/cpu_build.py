@@ -160,6 +160,16 @@ def onednn() -> tuple[pathlib.Path, pathlib.Path, str]:
     return include, pathlib.Path(library.locate()), metadata.version(_ONEDNN_RUNTIME)
 
 
+def onednn_build_args() -> tuple[tuple[str, ...], tuple[str, ...], str]:
+    """(compile args, link args, oneDNN version) of the library that calls oneDNN.
+
+    Raises:
+        BuildError: as :func:`onednn`.
+    """
+    include, library, version = onednn()
+    return (f"-I{include}", "-fopenmp"), (str(library), f"-Wl,-rpath,{library.parent}", "-fopenmp"), version
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The loaded library (None: not built) and why a kernel is missing ("" if present)."""
@@ -175,9 +185,8 @@ def kernels() -> Kernels:
     registers their FFI targets: ``jaxserve_ragged_paged_attention``,
     ``jaxserve_int8_matmul`` and, with oneDNN, ``jaxserve_matmul`` and ``jaxserve_matmul_swiglu``. A matmul that fails to build leaves the attention kernel alone."""
     try:
-        include, library, version = onednn()
-        link = (str(library), f"-Wl,-rpath,{library.parent}", "-fopenmp")
-        lib = build((ATTENTION, INT8, MATMUL), "cpu_kernels_onednn", (f"-I{include}", "-fopenmp"), link, (version,))
+        compile_args, link_args, version = onednn_build_args()
+        lib = build((ATTENTION, INT8, MATMUL), "cpu_kernels_onednn", compile_args, link_args, (version,))
         matmul_error = ""
     except BuildError as e:
         matmul_error = str(e)

@@ -80,14 +80,15 @@ OTHER_CPUS = ("x86-64-v3", "sapphirerapids")
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the x86 CPU classes' paths")
 def test_the_kernels_compile_for_the_other_x86_cpu_classes():
     """Every source of the library, checked by the compiler (-fsyntax-only: no code made)
-    as for each of OTHER_CPUS, with the build's own flags and include paths."""
+    as for each of OTHER_CPUS, with the build's own flags, include paths and oneDNN
+    arguments."""
     try:
-        compiler, onednn_include = cpu_build.find_compiler(), cpu_build.onednn()[0]
+        compiler, compile_args = cpu_build.find_compiler(), cpu_build.onednn_build_args()[0]
     except cpu_build.BuildError as e:
         pytest.skip(f"no compiler or no oneDNN headers: {e}")
     flags = [f for f in cpu_build.FLAGS if not f.startswith("-march=")]
     commands = [
-        [compiler, *flags, f"-march={cpu}", "-fsyntax-only", "-fopenmp", *cpu_build.include_args(), f"-I{onednn_include}", str(source)]
+        [compiler, *flags, f"-march={cpu}", "-fsyntax-only", *cpu_build.include_args(), *compile_args, str(source)]
         for cpu in OTHER_CPUS
         for source in (cpu_build.ATTENTION, cpu_build.MATMUL, cpu_build.INT8)
     ]  # fmt: skip

@@ -74,8 +74,8 @@ def _quantized_case(c, kv_dtype, scale_lanes=None):
 
 
 def _attend(write, attend, cache, c, window, interpret=False):
-    """``c``'s write and attention over ``cache`` (test_attention_kernels' ``_run``; the
-    Pallas kernels interpreted, compiled without LLVM's optimizer)."""
+    """``c``'s write and attention over ``cache`` (test_attention_kernels' ``_run``: the
+    Pallas kernels interpreted and the reference, both compiled without LLVM's optimizer)."""
     return _run(
         write, attend, dataclasses.replace(c, kv_cache=cache), window, BlockSizes(block_q=16, block_pages=2), interpret
     )
