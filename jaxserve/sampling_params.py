@@ -189,12 +189,9 @@ class SamplingParams:
             (
                 "logit_bias",
                 len(self.logit_bias) <= MAX_LOGIT_BIAS
-                and all(
-                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _number(b) and -100 <= b <= 100
-                    for t, b in self.logit_bias
-                )
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t, _ in self.logit_bias)
                 and len({t for t, _ in self.logit_bias}) == len(self.logit_bias),
-                f"at most {MAX_LOGIT_BIAS} distinct token ids, each with a bias in [-100, 100]",
+                f"at most {MAX_LOGIT_BIAS} distinct token ids (integers >= 0), each with a bias in [-100, 100]",
             )
         )
         checks.append(
@@ -208,6 +205,11 @@ class SamplingParams:
         for field, ok, allowed in checks:
             if not ok:
                 raise RequestError(f"sampling_params.{field} = {_shown(getattr(self, field))}: must be {allowed}")
+        for t, b in self.logit_bias:  # the entry at fault, not the whole (up to 300-entry) map
+            if not (_number(b) and -100 <= b <= 100):
+                raise RequestError(
+                    f"sampling_params.logit_bias: token {t}'s bias {b!r}: must be a number in [-100, 100]"
+                )
         given = [k for k in ("json_schema", "json_object", "regex", "choice", "grammar") if getattr(self, k)]
         if len(given) > 1:
             raise RequestError(

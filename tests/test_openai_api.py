@@ -165,6 +165,19 @@ def test_logprobs_match_grpc(api):
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == completion.choices[0].text
 
 
+def test_chat_prompt_logprobs_are_the_completions_of_its_prompt(api):
+    """vLLM's extra on chat: the templated prompt's logprobs, on the response (one prompt
+    for every choice), as a completion of the same token ids gives them."""
+    llm, server, addr, base, client, _ = api
+    ids = httpx.post(f"{base}/tokenize", json={"model": "tiny", "messages": CHAT}).json()["tokens"]
+    extra = {"prompt_logprobs": 2, **NO_EOS}
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, n=2, extra_body=extra)
+    completion = client.completions.create(model="tiny", prompt=ids, max_tokens=2, extra_body=extra, **GREEDY)
+    got, expected = chat.model_extra["prompt_logprobs"], completion.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None and all(len(entry) >= 2 for entry in got[1:])
+    assert got == expected
+
+
 def test_logit_bias_forces_and_bans_tokens_on_every_transport(api):
     llm, server, addr, base, client, _ = api
     forced = client.completions.create(
@@ -225,7 +238,14 @@ BAD = [
     ),
     (dict(logit_bias={"5000": 1.0}), "logit_bias", "logit_bias: token id 5000 is out of range; allowed 0..319"),
     (dict(logit_bias={"x": 1.0}), "logit_bias", "logit_bias: keys must be token ids"),
-    (dict(logit_bias={"5": 300.0}), "logit_bias", r"logit_bias = .*bias in \[-100, 100\]"),
+    (
+        dict(logit_bias={"5": 300.0}),
+        "logit_bias",
+        r"logit_bias: token 5's bias 300.0: must be a number in \[-100, 100\]",
+    ),
+    (dict(extra_body={"stop_token_ids": [7, 5000]}), "stop_token_ids[1]", r"stop_token_ids\[1\] = 5000: out of range"),
+    (dict(extra_body={"guided_choice": []}), "guided_choice", "guided_choice: must be a non-empty list of strings"),
+    (dict(stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs", "not available with stream = true"),
     (dict(suffix="end"), "suffix", "suffix: not supported"),
 ]
 
@@ -252,6 +272,9 @@ def test_bad_chat_input_and_bodies_are_400(api):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[])
     assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as e:  # the field the client set, not the one it maps to
+        client.chat.completions.create(model="tiny", messages=CHAT, logprobs=True, top_logprobs=30)
+    assert e.value.body["param"] == "top_logprobs" and e.value.body["message"].startswith("top_logprobs = 30: ")
     raw = httpx.post(f"{base}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
     missing = httpx.post(f"{base}/v1/completions", json={"model": "tiny"})

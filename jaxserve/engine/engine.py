@@ -173,9 +173,9 @@ class Engine:
             raise RequestError("pin_s: pinning needs the prefix cache (enable_prefix_caching: true)")
 
     def check_params(self, params: SamplingParams) -> str | None:
-        """What SamplingParams cannot check alone: logit_bias ids within the vocabulary and
-        the structured-output constraint (json_schema, regex...), whose grammar it returns
-        (None: unconstrained). Raises RequestError naming the field and what is wrong. Any
+        """What SamplingParams cannot check alone: logit_bias and stop token ids within the
+        vocabulary and the structured-output constraint (json_schema, regex...), whose grammar
+        it returns (None: unconstrained). Raises RequestError naming the field and what is wrong. Any
         thread may call it: front ends do, on their workers, before queuing; grammars
         checked once are remembered."""
         vocab = self.grammars.vocab_size
@@ -183,6 +183,11 @@ class Engine:
             if token >= vocab:
                 raise RequestError(
                     f"sampling_params.logit_bias: token id {token} is out of range; allowed 0..{vocab - 1}"
+                )
+        for i, token in enumerate(params.stop_token_ids):
+            if token >= vocab:  # could never be sampled: a mistake, not a stop condition
+                raise RequestError(
+                    f"sampling_params.stop_token_ids[{i}] = {token}: out of range; allowed 0..{vocab - 1}"
                 )
         if not params.is_constrained:
             return None

@@ -122,6 +122,7 @@ class _Sampling(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: Any = None
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -130,7 +131,6 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    prompt_logprobs: int | None = None
 
 
 class ContentPart(_Body):
@@ -337,8 +337,8 @@ class OpenAIServer:
             if key == "json_schema" and not isinstance(value, str):
                 value = json.dumps(value)
             elif key == "choice":
-                if not isinstance(value, list):
-                    raise APIError(400, f"{field}: must be a list of strings", param=field)
+                if not isinstance(value, list) or not value:
+                    raise APIError(400, f"{field}: must be a non-empty list of strings", param=field)
                 value = tuple(value)
             found.append((field, {key: value}))
         if len(found) > 1:
@@ -356,6 +356,8 @@ class OpenAIServer:
             raise APIError(400, f"best_of = {body.best_of}: only best_of == n is served", param="best_of")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options: only with stream = true", param="stream_options")
+        if body.prompt_logprobs is not None and body.stream:  # as vLLM: they come with the whole response
+            raise APIError(400, "prompt_logprobs: not available with stream = true", param="prompt_logprobs")
         kwargs: dict[str, Any] = dict(
             n=body.n,
             ignore_eos=body.ignore_eos,
@@ -374,6 +376,8 @@ class OpenAIServer:
             kwargs["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
         if body.stop_token_ids:
             kwargs["stop_token_ids"] = tuple(body.stop_token_ids)
+        if body.prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = body.prompt_logprobs
         if body.logit_bias:
             try:  # OpenAI's keys are token ids as strings
                 kwargs["logit_bias"] = tuple((int(k), v) for k, v in body.logit_bias.items())
@@ -414,8 +418,6 @@ class OpenAIServer:
         kwargs, renames = self._sampling_kwargs(body)
         if body.logprobs is not None:
             kwargs["logprobs"] = body.logprobs
-        if body.prompt_logprobs is not None:
-            kwargs["prompt_logprobs"] = body.prompt_logprobs
         if body.max_tokens is not None:
             kwargs["max_tokens"] = body.max_tokens
         out = []
@@ -445,6 +447,8 @@ class OpenAIServer:
         kwargs, renames = self._sampling_kwargs(body)
         if body.logprobs:
             kwargs["logprobs"] = body.top_logprobs or 0
+            if body.top_logprobs is not None:
+                renames["logprobs"] = "top_logprobs"
         if body.max_completion_tokens is not None:
             kwargs["max_tokens"] = body.max_completion_tokens
             renames["max_tokens"] = "max_completion_tokens"
@@ -672,7 +676,10 @@ class OpenAIServer:
                 if body.logprobs:
                     choice["logprobs"] = self._chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
                 choices.append(choice)
-            return {**head, "choices": choices, "usage": self._usage({i: c.final for i, c in enumerate(gathered)}, n)}
+            reply = {**head, "choices": choices, "usage": self._usage({i: c.final for i, c in enumerate(gathered)}, n)}
+            if body.prompt_logprobs is not None:  # vLLM's place: the response's, one prompt for every choice
+                reply["prompt_logprobs"] = self._prompt_logprobs(ids, gathered[0].final)
+            return reply
 
         return await self._unless_disconnected(request, collect())
 
