@@ -144,6 +144,10 @@ class LLM:
     def _params_per_prompt(params, n: int) -> list[SamplingParams]:
         if params is None or isinstance(params, SamplingParams):
             return [params or SamplingParams()] * n
+        if not isinstance(params, (list, tuple)):  # a dict would list its keys as the "items"
+            raise RequestError(
+                f"sampling_params: one SamplingParams, or a list of {n} (one per prompt); got a {type(params).__name__}"
+            )
         params = list(params)
         if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
             raise RequestError(

@@ -182,6 +182,10 @@ def test_bad_prompts(tiny_model_dir):
         llm.generate([[{"role": "user"}]])
     with pytest.raises(RequestError, match=r"conversations\[1\] must be a non-empty list of \{role, content\}"):
         llm.chat([[{"role": "user", "content": "hi"}], "hi"])
+    with pytest.raises(RequestError, match=r"sampling_params: one SamplingParams, or a list of 1 .*; got a dict$"):
+        llm.generate(["hi"], {"max_tokens": 2})
+    with pytest.raises(RequestError, match=r"stop_token_ids\[1\] = 320: out of range; allowed 0..319"):
+        llm.generate(["hi"], SamplingParams(stop_token_ids=[3, 320]))
     assert llm.kv.pool.num_in_use == 0
     greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     out = llm.generate("The capital", greedy)
