@@ -152,6 +152,8 @@ def test_forks_stream_and_errors(llm):
             lang.gen("")
         with pytest.raises(lang.ProgramError, match="fork\\(n = 0\\)"):
             lang.ProgramState(backend).fork(0)
+        with pytest.raises(lang.ProgramError, match="run_batch\\(max_concurrency = 0\\): must be an integer >= 1"):
+            agent.run_batch(backend, [{"task": "deep"}], max_concurrency=0)
 
 
 def test_a_gen_takes_a_structured_output_constraint(llm):

@@ -434,6 +434,8 @@ class Program:
         ``min_shared_tokens``) once, pinned in the prefix cache until the batch ends (or
         ``pin_s`` seconds pass, whichever is first), so the runs start from a cache hit
         instead of racing to compute it."""
+        if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
+            raise ProgramError(f"run_batch(max_concurrency = {max_concurrency!r}): must be an integer >= 1")
         lease = None
         if warm:
             trace = self.trace(backend)
