@@ -165,6 +165,35 @@ def test_logprobs_match_grpc(api):
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == completion.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_eval_harnesses_ask(api):
+    """lm-eval's loglikelihood request over OpenAI's API: echo, logprobs, max_tokens 1 (or 0).
+    The choice's logprobs cover the prompt's tokens (the first has none) then the output's:
+    the prompt's are its prompt_logprobs, the last is the plain request's (vLLM's shape)."""
+    llm, server, addr, base, client, _ = api
+    prompts = ["Deep learning is", "The capital of France"]
+    echo = client.completions.create(model="tiny", prompt=prompts, max_tokens=1, logprobs=2, echo=True, **GREEDY)
+    for prompt, choice in zip(prompts, echo.choices, strict=True):
+        ids = llm.handle.encode(prompt)
+        scored = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=1, logprobs=2, extra_body={"prompt_logprobs": 2}, **GREEDY
+        ).choices[0]
+        lp = choice.logprobs
+        assert choice.text == prompt + scored.text
+        assert lp.tokens == [llm.handle.tokenizer.decode([t]) for t in ids] + scored.logprobs.tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        prompt_lps = scored.model_extra["prompt_logprobs"][1:]
+        expected = [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], prompt_lps, strict=True)]
+        assert lp.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-6)
+        assert lp.token_logprobs[len(ids) :] == pytest.approx(scored.logprobs.token_logprobs, abs=1e-6)
+        assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+        assert lp.text_offset[0] == 0 and "".join(lp.tokens) == choice.text
+    only_prompt = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=0, logprobs=1, echo=True)
+    assert only_prompt.choices[0].text == prompts[0] and only_prompt.usage.completion_tokens == 0
+    assert only_prompt.choices[0].logprobs.token_logprobs == pytest.approx(
+        echo.choices[0].logprobs.token_logprobs[:-1], abs=1e-6
+    )
+
+
 def test_chat_prompt_logprobs_are_the_completions_of_its_prompt(api):
     """vLLM's extra on chat: the templated prompt's logprobs, on the response (one prompt
     for every choice), as a completion of the same token ids gives them."""
@@ -247,6 +276,7 @@ BAD = [
     (dict(extra_body={"guided_choice": []}), "guided_choice", "guided_choice: must be a non-empty list of strings"),
     (dict(stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs", "not available with stream = true"),
     (dict(suffix="end"), "suffix", "suffix: not supported"),
+    (dict(echo=True, logprobs=1, stream=True), "echo", "echo: with logprobs, not available with stream = true"),
 ]
 
 

@@ -406,8 +406,13 @@ class OpenAIServer:
         """(prompt ids, params, echoed text) per prompt."""
         if body.suffix:
             raise APIError(400, "suffix: not supported by this server", param="suffix")
-        if body.echo and (body.logprobs is not None or body.prompt_logprobs is not None):
-            raise APIError(400, "echo: not served together with logprobs", param="echo")
+        if body.echo and body.logprobs is not None and body.stream:
+            raise APIError(
+                400,
+                "echo: with logprobs, not available with stream = true (the prompt's logprobs come with the "
+                "whole response)",
+                param="echo",
+            )
         prompt = body.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompts = [prompt]
@@ -418,6 +423,8 @@ class OpenAIServer:
         kwargs, renames = self._sampling_kwargs(body)
         if body.logprobs is not None:
             kwargs["logprobs"] = body.logprobs
+            if body.echo:  # as vLLM: the echoed prompt's tokens get logprobs too (eval harnesses' loglikelihood)
+                kwargs.setdefault("prompt_logprobs", body.logprobs)
         if body.max_tokens is not None:
             kwargs["max_tokens"] = body.max_tokens
         out = []
@@ -532,7 +539,7 @@ class OpenAIServer:
         return {
             "tokens": tokens,
             "token_logprobs": lps,
-            "top_logprobs": [{self._token_text(t): lp for t, lp in top} for top in tops],
+            "top_logprobs": [None if top is None else {self._token_text(t): lp for t, lp in top} for top in tops],
             "text_offset": offsets,
         }
 
@@ -612,7 +619,16 @@ class OpenAIServer:
             for i, c in enumerate(gathered):
                 echo = prepared[i // n][2]
                 choice = {"index": i, "text": echo + c.text, "logprobs": None, "finish_reason": c.final.finish_reason}
-                if with_logprobs:
+                if with_logprobs and body.echo:  # the prompt's tokens first; the very first has no logprob
+                    scored = gathered[i - i % n].final  # the prompt's first sample computed it
+                    tops = [None if t is None else list(t)[: body.logprobs] for t in scored.prompt_top_logprobs]
+                    choice["logprobs"] = self._completion_logprobs(
+                        [*prepared[i // n][0], *c.token_ids],
+                        [*scored.prompt_logprobs, *c.logprobs],
+                        [*tops, *c.top_logprobs],
+                        0,
+                    )
+                elif with_logprobs:
                     choice["logprobs"] = self._completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, len(echo))
                 choice["stop_reason"] = c.final.stop_reason
                 if body.prompt_logprobs is not None:
