@@ -738,6 +738,19 @@ class OpenAIServer:
                 raise APIError(400, f"tokens[{i}] = {t}: out of range; allowed 0..{vocab - 1}", param=f"tokens[{i}]")
         return {"prompt": self.handle.tokenizer.decode(body.tokens)}
 
+    def tokenizer_info(self, request: Request) -> dict:
+        """vLLM's ``/tokenizer_info`` (opt-in there): the special tokens and the chat template,
+        what eval harnesses (lm-eval's remote tokenizer) need to tokenize as the server does."""
+        self._client(request)
+        tok = self.handle.tokenizer
+        info = {name: getattr(tok, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        info.update(
+            tokenizer_class=type(tok).__name__,
+            model_max_length=self.handle.max_model_len,
+            chat_template=getattr(tok, "chat_template", None),
+        )
+        return info
+
     def _build(self) -> FastAPI:
         app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -771,6 +784,7 @@ class OpenAIServer:
         app.post("/v1/chat/completions")(self.chat)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
+        app.get("/tokenizer_info")(self.tokenizer_info)
         return app
 
 
