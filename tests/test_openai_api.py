@@ -370,7 +370,10 @@ def test_tokenize_and_detokenize(api):
     # What lm-eval's remote tokenizer reads: the special tokens (ids by /tokenize) and the template.
     info = httpx.get(f"{base}/tokenizer_info").json()
     assert (info["eos_token"], info["bos_token"]) == ("<|im_end|>", "<|im_start|>"), info
-    assert info["chat_template"] == llm.handle.tokenizer.chat_template and info["model_max_length"] == llm.handle.max_model_len
+    assert (
+        info["chat_template"] == llm.handle.tokenizer.chat_template
+        and info["model_max_length"] == llm.handle.max_model_len
+    )
     eos = httpx.post(f"{base}/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
     assert eos["tokens"] == [llm.handle.tokenizer.eos_token_id]
 
