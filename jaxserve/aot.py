@@ -35,7 +35,14 @@ from jaxserve.models.config import ModelConfig, config_from_hf
 from jaxserve.models.loading import MATMUL_PARAMS, abstract_model, int8_weights
 from jaxserve.parallel import kv_cache_sharding, param_sharding
 from jaxserve.plan import EnginePlan, resolve_plan
-from jaxserve.runner.model_runner import bucket_seqs, greedy, make_forward, make_sample, step_inputs
+from jaxserve.runner.model_runner import (
+    bucket_seqs,
+    greedy,
+    make_forward,
+    make_sample,
+    make_scored_forward,
+    step_inputs,
+)
 
 # Architectures by name, for sizing without a download: Llama-family config.json fields.
 _PRESET_FIELDS = (
@@ -212,6 +219,7 @@ class StepCompiler:
         )
         self.vocab_size = cfg.vocab_size
         self._forward = jax.jit(make_forward(self.graphdef, backend), donate_argnums=(1,))
+        self._scored = jax.jit(make_scored_forward(self.graphdef, backend), donate_argnums=(1,))
         self._sample = jax.jit(make_sample(plan.runner.max_num_seqs, plan.mesh))
         self.feed_tokens = jax.ShapeDtypeStruct((plan.runner.max_num_seqs,), np.int32, sharding=self.replicated)
 
@@ -230,6 +238,13 @@ class StepCompiler:
         md, feed_rows, *_ = self._inputs(tokens, seqs)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
             return Compiled.of(self._forward, self.state, self.kv_cache, md, feed_rows, self.feed_tokens)
+
+    def compile_scored(self, tokens: int, seqs: int) -> Compiled:
+        """The model half of a step that also scores every row (prompt logprobs)."""
+        md, feed_rows, *_ = self._inputs(tokens, seqs)
+        targets = jax.ShapeDtypeStruct((tokens,), np.int32, sharding=self.replicated)
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            return Compiled.of(self._scored, self.state, self.kv_cache, md, feed_rows, self.feed_tokens, targets)
 
     def compile_sample(self, seqs: int, penalties: bool = False) -> Compiled:
         """The sampler for sequence bucket ``seqs`` (the penalised variant if asked)."""
@@ -372,6 +387,10 @@ def report(
             f"{tokens:>6} {seqs:>4} {c.compile_s:>9.1f} {_gb(c.peak_bytes):>7} {_gb(chip.hbm_bytes):>6} "
             f"{c.flops / 1e9:>9.1f} {c.bytes_accessed / 1e9:>7.2f} {ms:>11.2f}"
         )
+        if plan.runner.warmup_scoring:  # warm-up compiles it too: it must fit as well
+            c = compiler.compile_scored(tokens, seqs)
+            peak = max(peak, c.peak_bytes)
+            out(f"{'+score':>6} {seqs:>4} {c.compile_s:>9.1f} {_gb(c.peak_bytes):>7} {_gb(chip.hbm_bytes):>6}")
     for seqs in sorted({s for _, s in pairs}):
         for penalties, name in ((False, "sample"), (True, "+pen")):
             c = compiler.compile_sample(seqs, penalties)

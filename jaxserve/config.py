@@ -203,6 +203,12 @@ class EngineConfig:
         "text, streams) while N+1 runs: host work hides behind device work. Outputs are the serial loop's; "
         "a request ended by a stop token or string computes one extra row. false: the serial loop.",
     )
+    warmup_scoring: bool = option(
+        False,
+        "Warm-up also compiles the steps that score prompts (prompt_logprobs; echo with logprobs, as eval "
+        "harnesses send; lang.select): one more program per bucket pair. false: each compiles on its first "
+        "use, inside that step (and is kept in the compile cache).",
+    )
     cache_dir: str | None = option(None, "Model cache (null: $XDG_CACHE_HOME/jaxserve).")
     compile_cache: bool = option(
         True,

@@ -227,6 +227,7 @@ def resolve_plan(
         min_seq_bucket=2 if platform == "cpu" and matmul != "onednn" else 8,
         attention_backend=backend,
         kv_cache_dtype=kv_dtype,
+        warmup_scoring=cfg.warmup_scoring,
     )
     return EnginePlan(
         mcfg,

@@ -1,7 +1,8 @@
 """Fixed shapes are a contract: after warm-up, no request mix compiles anything.
 
 A property test over random mixes of sampling parameters (greedy and sampled, penalties,
-logprobs, stop ids, min_tokens, seeds, ignore_eos, structured output) and prompt / output lengths, with
+logprobs, prompt logprobs (``warmup_scoring``), stop ids, min_tokens, seeds, ignore_eos, structured
+output) and prompt / output lengths, with
 prefix sharing and preemption in play, stepping through the same engine every time.
 """
 
@@ -26,6 +27,7 @@ def warm_llm(tiny_model_dir):
         num_pages=40,
         max_num_seqs=8,
         max_num_batched_tokens=64,
+        warmup_scoring=True,  # prompt_logprobs below: their scoring steps are warmed too
         progress=False,
     )  # warmed up at construction
     return llm
@@ -45,6 +47,7 @@ sampling = st.builds(
     presence_penalty=st.sampled_from([0.0, 0.0, 0.5]),
     frequency_penalty=st.sampled_from([0.0, 0.0, -0.3]),
     logprobs=st.sampled_from([None, None, 0, 5]),
+    prompt_logprobs=st.sampled_from([None, None, None, 0, 3]),  # the scoring forward's variants
     regex=st.sampled_from([None, None, None, "[a-z ]{1,30}"]),  # structured output: its sampler variant
     logit_bias=st.sampled_from([(), (), ((5, 2.0), (9, -100.0))]),
 )

@@ -93,7 +93,7 @@ def test_the_check_catches_a_one_row_bfloat16_write():
 def test_shipped_tpu_configs_compile_their_largest_bucket_pair(config, topology):
     """The v5e config's whole step at its largest bucket pair (the most of every dimension:
     tokens, sequences, the attention plans' blocks) on the chip with the least HBM and
-    VMEM. The smallest pair of both shipped TPU configs is the guide's dry run
+    VMEM, and its prompt-scoring variant. The smallest pair of both shipped TPU configs is the guide's dry run
     (tests/test_docs.py); the v6e config's largest pair (~50 s) and every pair of either
     (~2.5 min each) are left to `jaxserve compile --config configs/<config> --topology
     <topology> --arch llama3-8b`, to keep CI's time. The kernels' own rules per chip are
@@ -104,6 +104,11 @@ def test_shipped_tpu_configs_compile_their_largest_bucket_pair(config, topology)
     forwards, samplers = compile_every_bucket(compiler, pairs)
     assert len(forwards) == 1 and samplers
     check_step_reports(compiler, forwards, pairs)
+    # The step that scores prompts (every row's logits, log-softmax and top-n: [512, 128256]
+    # floats), which warmup_scoring compiles at warm-up and prompt_logprobs on first use.
+    scored = compiler.compile_scored(*pairs[0])
+    assert scored.alias_bytes >= compiler.kv_cache_bytes
+    assert scored.peak_bytes < compiler.target.chip.hbm_bytes, scored.peak_bytes
 
 
 def test_int8_llama3_8b_fits_one_v5e_chip():

@@ -63,6 +63,7 @@ class RunnerConfig:
     min_seq_bucket: int = 2
     attention_backend: AttentionBackend = REFERENCE
     kv_cache_dtype: str | None = None  # None: the activation dtype
+    warmup_scoring: bool = False  # compile_ahead also compiles the prompt-scoring forwards
 
     @property
     def pages_per_seq(self) -> int:
@@ -224,8 +225,8 @@ def make_scored_forward(graphdef, backend: AttentionBackend):
     feed_tokens, targets [T]) -> (kv_cache, logits [S, V], (target_logprobs [T], top_ids
     [T, MAX_LOGPROBS], top_logprobs [T, MAX_LOGPROBS]))``, row ``i``'s scores being of the
     token after it (``targets[i]``) under the model's distribution there: prompt logprobs.
-    The LM head then runs on every row, so this is a separate program, compiled on first
-    use, for the steps of requests that ask for them."""
+    The LM head then runs on every row, so this is a separate program for the steps of
+    requests that ask for them, compiled on first use (at warm-up with ``warmup_scoring``)."""
     forward = make_forward(graphdef, backend)
 
     def scored(state, kv_cache, md: AttentionMetadata, feed_rows, feed_tokens, targets):
@@ -293,7 +294,9 @@ class ModelRunner:
         self.store = None
         if program_dir is not None:
             order = [d.id for d in mesh.devices.flat] if mesh is not None else None
-            self.store = ProgramStore(program_dir, pickle.dumps(self.graphdef) + repr((cfg, order)).encode())
+            # What the programs are built from: which of them warm-up compiles is not part of it.
+            built_from = dataclasses.replace(cfg, warmup_scoring=False)
+            self.store = ProgramStore(program_dir, pickle.dumps(self.graphdef) + repr((built_from, order)).encode())
         # (name, bucket, ...) -> its compiled program; a step calls these, not the jitted
         # functions, so a program loaded from the store is used as it is (never traced).
         self._programs: dict[tuple, Any] = {}
@@ -519,12 +522,14 @@ class ModelRunner:
 
     def compile_ahead(self, progress: bool = True) -> None:
         """Compiles (or loads from the program store) the model for every (token bucket,
-        sequence bucket) pair, both samplers for every sequence bucket and the page copy,
-        without running them: the steps then find them (no compile after warm-up).
+        sequence bucket) pair (with ``warmup_scoring`` its prompt-scoring variant too), both
+        samplers for every sequence bucket and the page copy, without running them: the steps
+        then find them (no compile after warm-up).
         Local to this process: multi-host followers call it too, before ``follow``."""
         pairs = self.cfg.bucket_pairs
         seq_buckets = sorted({s for _, s in pairs})
-        jobs = len(pairs) + 2 * len(seq_buckets) + 1
+        scoring = self.cfg.warmup_scoring and self.channel is None  # multi-host does not score prompts
+        jobs = len(pairs) * (2 if scoring else 1) + 2 * len(seq_buckets) + 1
         bar = tqdm(total=jobs, desc="compiling step buckets", disable=not progress, leave=False)
         logits = {}  # sequence bucket -> the logits' shape and placement, as the model outputs them
         for t, s in pairs:  # against the cache's shape: it may still be being zeroed
@@ -532,6 +537,9 @@ class ModelRunner:
             args = (self.state, self._kv_spec, md, feed_rows, self._no_feed)
             logits[s] = self._program(("forward", t, s), self._forward, *args).out_info[1]
             bar.update()
+            if scoring:  # the same step with every row's logits scored (dispatch's ``targets``)
+                self._program(("scored_forward", t, s), self._scored_forward, *args, np.zeros(t, np.int32))
+                bar.update()
         for s in seq_buckets:
             for penalties in (False, True):
                 _, (_, _, smd, pmd, _) = step_inputs(self.cfg, bucket_seqs(self.cfg, s, s), greedy(s, penalties))
