@@ -22,7 +22,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.errors import RequestError
+from jaxserve.errors import RequestError, check_token_ids
 from jaxserve.models.checkpoint import open_checkpoint
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.fetch import default_cache_dir, resolve_model
@@ -67,10 +67,7 @@ class EngineHandle:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            for i, t in enumerate(ids):
-                if not 0 <= t < vocab:
-                    raise RequestError(f"{field}[{i}] = {t}: out of range; allowed 0..{vocab - 1}")
+            check_token_ids(ids, self.model_config.vocab_size, field)
         else:
             raise RequestError("a prompt must be a string, a list of token ids, or a list of chat messages")
         if not ids:

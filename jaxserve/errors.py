@@ -21,3 +21,10 @@ class RequestError(JaxServeError):
 
 class EngineError(JaxServeError):
     """The engine failed while running a request (a failed step, a failed warm-up)."""
+
+
+def check_token_ids(ids, vocab_size: int, field: str) -> None:
+    """Raises RequestError naming the first of ``ids`` outside the vocabulary (``field[i]``)."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise RequestError(f"{field}[{i}] = {t}: out of range; allowed 0..{vocab_size - 1}")

@@ -34,7 +34,7 @@ from jaxserve.engine.output import OutputStage
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Pending, Sampled, Scheduler, SchedulerOutput
 from jaxserve.engine.structured import GrammarCompiler
-from jaxserve.errors import JaxServeError, RequestError
+from jaxserve.errors import JaxServeError, RequestError, check_token_ids
 from jaxserve.runner import compile_counter
 from jaxserve.runner.batch import ScheduledSeq
 from jaxserve.runner.model_runner import ModelRunner, SeqSampling
@@ -174,21 +174,18 @@ class Engine:
 
     def check_params(self, params: SamplingParams) -> str | None:
         """What SamplingParams cannot check alone: logit_bias and stop token ids within the
-        vocabulary and the structured-output constraint (json_schema, regex...), whose grammar
-        it returns (None: unconstrained). Raises RequestError naming the field and what is wrong. Any
-        thread may call it: front ends do, on their workers, before queuing; grammars
-        checked once are remembered."""
+        vocabulary and the structured-output constraint (json_schema, regex...), whose
+        grammar it returns (None: unconstrained). Raises RequestError naming the field and
+        what is wrong. Any thread may call it: front ends do, on their workers, before
+        queuing; grammars checked once are remembered."""
         vocab = self.grammars.vocab_size
         for token, _ in params.logit_bias:
             if token >= vocab:
                 raise RequestError(
                     f"sampling_params.logit_bias: token id {token} is out of range; allowed 0..{vocab - 1}"
                 )
-        for i, token in enumerate(params.stop_token_ids):
-            if token >= vocab:  # could never be sampled: a mistake, not a stop condition
-                raise RequestError(
-                    f"sampling_params.stop_token_ids[{i}] = {token}: out of range; allowed 0..{vocab - 1}"
-                )
+        # An id that could never be sampled is a mistake, not a stop condition.
+        check_token_ids(params.stop_token_ids, vocab, "sampling_params.stop_token_ids")
         if not params.is_constrained:
             return None
         if getattr(self.runner, "channel", None) is not None:

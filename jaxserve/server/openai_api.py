@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.assembly import EngineHandle
 from jaxserve.engine.async_engine import Delta, EngineStoppedError, EngineThread, QueueFullError, RequestIdInUseError
-from jaxserve.errors import RequestError
+from jaxserve.errors import RequestError, check_token_ids
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.auth import TokenAuth
 from jaxserve.server.config import ServerConfig
@@ -732,10 +732,10 @@ class OpenAIServer:
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict:
         self._client(request)
         self._check_model(body.model)
-        vocab = self.handle.model_config.vocab_size
-        for i, t in enumerate(body.tokens):
-            if not 0 <= t < vocab:
-                raise APIError(400, f"tokens[{i}] = {t}: out of range; allowed 0..{vocab - 1}", param=f"tokens[{i}]")
+        try:
+            check_token_ids(body.tokens, self.handle.model_config.vocab_size, "tokens")
+        except RequestError as e:
+            raise _bad_request(e) from None
         return {"prompt": self.handle.tokenizer.decode(body.tokens)}
 
     def tokenizer_info(self, request: Request) -> dict:
