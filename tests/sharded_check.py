@@ -28,7 +28,8 @@ from jaxserve.runner.batch import ScheduledSeq  # noqa: E402
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=10)
 
 
-def _tiny_model(num_kv_heads: int) -> str:
+def _tiny_model(num_kv_heads: int, path: str) -> str:
+    """A tiny Llama with 8 query heads saved in ``path``."""
     import torch
     import transformers as tf
 
@@ -38,7 +39,6 @@ def _tiny_model(num_kv_heads: int) -> str:
     cfg = tf.LlamaConfig(
         **{**TINY, "num_attention_heads": 8, "num_key_value_heads": num_kv_heads}, tie_word_embeddings=False
     )
-    path = tempfile.mkdtemp(prefix=f"tiny-kv{num_kv_heads}-")
     tf.LlamaForCausalLM(cfg).save_pretrained(path)
     _tiny_tokenizer().save_pretrained(path)
     return path
@@ -158,7 +158,8 @@ def main() -> None:
             return
     elif scenario == "tiny":
         num_kv_heads, model_axis = int(sys.argv[2]), int(sys.argv[3])
-        report = compare(_tiny_model(num_kv_heads), model_axis, 320, extra_checks=True)
+        with tempfile.TemporaryDirectory(prefix=f"tiny-kv{num_kv_heads}-") as path:  # not left in /tmp
+            report = compare(_tiny_model(num_kv_heads, path), model_axis, 320, extra_checks=True)
     elif scenario == "gguf":
         report = compare(sys.argv[2], int(sys.argv[3]), 49152, extra_checks=False)
     else:
