@@ -173,10 +173,53 @@ def test_a_checkpoint_keeps_one_file_per_load_options(tmp_path):
     ckpt = tmp_path / "model.gguf"
     ckpt.write_bytes(b"weights")
     graphdef = ("a model",)
-    base, key = weight_cache.entry(tmp_path / "w", ckpt, ("float32",), graphdef)
-    other, _ = weight_cache.entry(tmp_path / "w", ckpt, ("bfloat16",), graphdef)
+    base, key, _ = weight_cache.entry(tmp_path / "w", ckpt, ("float32",), graphdef)
+    other, _, _ = weight_cache.entry(tmp_path / "w", ckpt, ("bfloat16",), graphdef)
     assert other != base
     os.utime(ckpt, ns=(1, 1))  # the file changed: the same entry, another key
-    again, changed = weight_cache.entry(tmp_path / "w", ckpt, ("float32",), graphdef)
+    again, changed, _ = weight_cache.entry(tmp_path / "w", ckpt, ("float32",), graphdef)
     assert again == base and changed != key
-    assert weight_cache.entry(tmp_path / "w", ckpt, ("float32",), ("another model",))[1] != changed
+    assert weight_cache.entry(tmp_path / "w", ckpt, ("float32",), ("another model",)).key != changed
+
+
+def test_a_save_removes_the_copies_of_checkpoints_that_are_gone_or_changed(tmp_path):
+    folder, params = tmp_path / "w", {"w": np.ones((2, 3), np.float32)}
+
+    def keep(e: weight_cache.Entry) -> None:
+        weight_cache.save(e.path, e.key, params, e.files)
+
+    ckpts = {name: tmp_path / name for name in ("kept.gguf", "deleted.gguf", "rewritten.gguf")}
+    ckpts["folder"] = tmp_path / "hf"  # a checkpoint folder: every file in it is named
+    ckpts["folder"].mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (ckpts["folder"] / name).write_bytes(b"{}")
+    entries = {}
+    for name, ckpt in ckpts.items():
+        if ckpt.suffix:
+            ckpt.write_bytes(b"weights")
+        entries[name] = weight_cache.entry(folder, ckpt, ("float32",), ("a model",))
+        keep(entries[name])
+    (folder / "not-ours.bin").write_bytes(b"something else")  # left alone
+    assert len(list(folder.glob("*.bin"))) == len(entries) + 1
+
+    ckpts["deleted.gguf"].unlink()
+    ckpts["rewritten.gguf"].write_bytes(b"other weights")
+    (ckpts["folder"] / "model.safetensors").unlink()
+    assert weight_cache.prune(folder) == 3
+    assert sorted(p.name for p in folder.glob("*.bin")) == sorted([entries["kept.gguf"].path.name, "not-ours.bin"])
+    assert weight_cache.load(entries["kept.gguf"].path, entries["kept.gguf"].key) is not None
+
+    # Each save prunes: a copy made from a temporary folder goes once the folder does.
+    scratch = tmp_path / "scratch.gguf"
+    scratch.write_bytes(b"weights")
+    tmp = weight_cache.entry(folder, scratch, ("float32",), ("a model",))
+    keep(tmp)
+    scratch.unlink()
+    keep(entries["kept.gguf"])
+    assert not tmp.path.exists() and entries["kept.gguf"].path.exists()
+    # A file an earlier jaxserve wrote names no checkpoint: its key has another source
+    # digest, so it is either dead or rewritten at its next load.
+    legacy = folder / "legacy.bin"
+    weight_cache.save(legacy, "key", params)
+    keep(entries["kept.gguf"])
+    assert not legacy.exists()

@@ -227,7 +227,7 @@ def load_model(
     kept = None
     if cache is not None and packed:  # only packed weights are kept (weight_cache says why)
         kept = weight_cache.entry(Path(cache), ckpt.path, (dtype, weight_dtype, repr(quant)), graphdef)
-        params = weight_cache.load(*kept)
+        params = weight_cache.load(kept.path, kept.key)
         if params is not None:
             nnx.replace_by_pure_dict(state, params)
             return nnx.merge(graphdef, state)
@@ -295,7 +295,7 @@ def load_model(
             params["layers"][ours] = jax.device_put(_stack_layers(packed_layer, shape, np.uint8, bar, len(names)))
     bar.close()
     if kept is not None:
-        weight_cache.save(*kept, params)
+        weight_cache.save(kept.path, kept.key, params, kept.files)
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
 

@@ -13,15 +13,22 @@ per machine (``compile_cache.folder``: oneDNN picks its layout for the CPU). A k
 differs rebuilds the file in place, so a new version of jaxserve replaces the old copy
 instead of adding one. Only packed weights are kept: elsewhere the load is a cast and a
 transpose, and a second copy of a large model is not worth its disk.
+
+A file whose checkpoint was deleted, moved or rewritten can never be read again (its key
+names the old files), so each save removes those (``prune``): a checkpoint converted
+from a temporary folder (a test's random model, a fine-tune's scratch output) would
+otherwise leave its packed copy in the cache for good; SmolLM2's is 651 MB in float32.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,15 +49,21 @@ def _files(path: Path) -> list[tuple[str, int, int]]:
     return [(str(p), (st := p.stat()).st_size, st.st_mtime_ns) for p in files]
 
 
-def entry(folder: Path, checkpoint: Path, options: tuple, graphdef) -> tuple[Path, str]:
-    """(the file for this checkpoint and these options, the key its header must hold)."""
+class Entry(NamedTuple):
+    path: Path  # the file for this checkpoint and these options
+    key: str  # what its header must hold
+    files: list  # the checkpoint's files: (path, size, mtime_ns) each
+
+
+def entry(folder: Path, checkpoint: Path, options: tuple, graphdef) -> Entry:
     try:
         onednn = cpu_build.onednn()[2]
     except cpu_build.BuildError:
         onednn = None
     name = hashlib.sha256(repr((str(checkpoint.resolve()), options)).encode()).hexdigest()[:16]
-    material = repr((_files(checkpoint), options, caching.source_digest(), onednn)).encode() + pickle.dumps(graphdef)
-    return Path(folder) / f"{name}.bin", hashlib.sha256(material).hexdigest()
+    files = _files(checkpoint)
+    material = repr((files, options, caching.source_digest(), onednn)).encode() + pickle.dumps(graphdef)
+    return Entry(Path(folder) / f"{name}.bin", hashlib.sha256(material).hexdigest(), files)
 
 
 def load(path: Path, key: str) -> dict | None:
@@ -62,16 +75,22 @@ def load(path: Path, key: str) -> dict | None:
         return None
 
 
+def _header(f) -> dict | None:
+    """The header of the file open as ``f`` (None: not one of these files), read up to its
+    data."""
+    if f.read(len(MAGIC)) != MAGIC:
+        return None
+    (size,) = struct.unpack("<Q", f.read(8))
+    return json.loads(f.read(size))
+
+
 def _read(path: Path, key: str) -> dict | None:
     with open(path, "rb") as f:
-        if f.read(len(MAGIC)) != MAGIC:
-            return None
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-        if header["key"] != key:
+        header = _header(f)
+        if header is None or header["key"] != key:
             return None
         data = _aligned_buffer(header["bytes"])
-        f.seek(_aligned(len(MAGIC) + 8 + size))
+        f.seek(_aligned(f.tell()))  # the data starts on the next boundary
         if f.readinto(memoryview(data)) != header["bytes"]:
             return None  # cut short
     flat = {}
@@ -82,16 +101,50 @@ def _read(path: Path, key: str) -> dict | None:
     return traverse_util.unflatten_dict(flat)
 
 
-def save(path: Path, key: str, params: dict) -> None:
-    """Writes ``params`` (nested dict of arrays) under ``key``, atomically; an unwritable
-    cache only costs the next start its time."""
+def save(path: Path, key: str, params: dict, files: list = ()) -> None:
+    """Writes ``params`` (nested dict of arrays) under ``key``, atomically, naming the
+    checkpoint's ``files`` (``Entry.files``); then prunes the folder. An unwritable cache
+    only costs the next start its time."""
     arrays = [(list(names), np.ascontiguousarray(value)) for names, value in traverse_util.flatten_dict(params).items()]
     layout, offset = [], 0  # offsets from the start of the data, which is aligned too
     for names, value in arrays:
         layout.append([names, value.dtype.name, list(value.shape), offset])  # "bfloat16" too
         offset = _aligned(offset + value.nbytes)
-    header = json.dumps({"key": key, "arrays": layout, "bytes": offset}).encode()
+    header = json.dumps({"key": key, "files": [list(f) for f in files], "arrays": layout, "bytes": offset}).encode()
     caching.write_atomically(path, _chunks(header, arrays))  # replaces another version's copy
+    prune(path.parent, keep=path)
+
+
+def _stale(files: list) -> bool:
+    """Whether any of a checkpoint's files (path, size, mtime_ns) is gone or changed."""
+    for name, size, mtime in files:
+        try:
+            st = os.stat(name)
+        except OSError:
+            return True
+        if (st.st_size, st.st_mtime_ns) != (size, mtime):
+            return True
+    return False
+
+
+def prune(folder: Path, keep: Path | None = None) -> int:
+    """Removes the files in ``folder`` whose checkpoint is gone or changed (they can never
+    be read again); returns how many. So do files that name no checkpoint (an earlier
+    jaxserve wrote them: its key holds another source digest, so this version rewrites
+    them at their next load anyway). Files that are not ours, and ``keep``, are left alone."""
+    removed = 0
+    for path in Path(folder).glob("*.bin"):
+        if path == keep:
+            continue
+        try:
+            with open(path, "rb") as f:
+                header = _header(f)
+            if header is not None and (not header.get("files") or _stale(header["files"])):
+                path.unlink()
+                removed += 1
+        except (OSError, ValueError):  # removed meanwhile, being written, not ours
+            continue
+    return removed
 
 
 def _chunks(header: bytes, arrays: list):
