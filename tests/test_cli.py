@@ -140,3 +140,13 @@ def test_start_up_checks_are_one_line(setting, message, tiny_model_dir, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("jaxserve: error: "), err
     assert re.search(message, err), err
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    """`.ci/run` is what CI runs; the README's test command is what a user runs: one line."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    command = readme.split("(this is what `.ci/run` runs):\n\n```bash\n", 1)[1].split("\n", 1)[0]
+    assert "pytest" in command and command in (root / ".ci" / "run").read_text().splitlines()
