@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +62,7 @@ def test_a_second_start_loads_every_program_instead_of_compiling(tiny_model_dir,
     assert second["after_warmup"] == 0
     assert second["tokens"] == first["tokens"]
     assert len(list((tmp_path / "xla").iterdir())) == 1  # one folder: this machine
-    assert len(list((tmp_path / "xla").glob("*/programs/*.bin"))) == first["compiles"]
+    assert len(list((tmp_path / "xla").glob("*/programs/*/*.bin"))) == first["compiles"]
     assert len(list((tmp_path / "xla").glob("*/weights/*.bin"))) == 1
 
 
@@ -86,7 +87,7 @@ def test_the_store_loads_a_program_only_under_the_key_it_was_compiled_for(tmp_pa
     f = jax.jit(_f)
     first = programs.ProgramStore(tmp_path, b"runner a")
     compiled = first.compiled("f", f, ARGS)
-    assert first.loaded == 0 and len(list(tmp_path.glob("*.bin"))) == 1
+    assert first.loaded == 0 and len(list(tmp_path.glob("*/*.bin"))) == 1
     again = programs.ProgramStore(tmp_path, b"runner a")
     loaded = again.compiled("f", f, ARGS)
     assert again.loaded == 1
@@ -101,7 +102,7 @@ def test_the_store_loads_a_program_only_under_the_key_it_was_compiled_for(tmp_pa
         store = programs.ProgramStore(tmp_path, context)
         store.compiled(name, f, args)
         assert store.loaded == 0
-    assert len(list(tmp_path.glob("*.bin"))) == 4
+    assert len(list(tmp_path.glob("*/*.bin"))) == 4
 
 
 def test_a_change_of_source_or_environment_is_another_key(tmp_path, monkeypatch):
@@ -123,10 +124,36 @@ def test_a_change_of_source_or_environment_is_another_key(tmp_path, monkeypatch)
         programs.process_material.cache_clear()
 
 
+def test_other_codes_programs_go_least_recently_used_first_beyond_the_cap(tmp_path, monkeypatch):
+    def folder(name: str, used: int) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "p.bin").write_bytes(b"x" * 1000)
+        os.utime(tmp_path / name, (used, used))
+        return tmp_path / name
+
+    old, older, oldest, own = folder("b", 300), folder("c", 200), folder("a", 100), folder("own", 50)
+    (tmp_path / "format1.bin").write_bytes(b"x")  # the one-folder layout's: nobody reads it now
+    removed = programs.prune(tmp_path, keep=own, keep_bytes=2500)
+    assert removed == [tmp_path / "format1.bin", oldest, older]  # 4000 bytes -> 2000
+    assert old.exists() and own.exists()  # the open one stays, however old its use
+
+    # A store that compiles prunes; one that only loads does not; opening one marks it used.
+    f = jax.jit(_f)
+    store = programs.ProgramStore(tmp_path, b"r")
+    assert store.directory.stat().st_mtime > 300
+    monkeypatch.setattr(programs, "KEEP_BYTES", 0)
+    warm = programs.ProgramStore(tmp_path, b"r")
+    store.compiled("f", f, ARGS)
+    assert [p.name for p in tmp_path.iterdir()] == [store.directory.name]
+    folder("d", 400)
+    warm.compiled("f", f, ARGS)
+    assert warm.loaded == 1 and (tmp_path / "d").exists()
+
+
 def test_a_broken_file_is_compiled_again(tmp_path):
     f = jax.jit(_f)
     programs.ProgramStore(tmp_path, b"r").compiled("f", f, ARGS)
-    (path,) = tmp_path.glob("*.bin")
+    (path,) = tmp_path.glob("*/*.bin")
     path.write_bytes(path.read_bytes()[:100])  # a write cut short
     store = programs.ProgramStore(tmp_path, b"r")
     out, total = store.compiled("f", f, ARGS)(*ARGS)
@@ -141,7 +168,7 @@ def test_a_program_that_jax_loaded_from_its_own_cache_is_not_kept(tmp_path, monk
     loads = iter(range(100))
     monkeypatch.setattr(compile_counter, "num_cache_loads", lambda: next(loads))
     programs.ProgramStore(tmp_path, b"r").compiled("f", jax.jit(_f), ARGS)
-    assert not list(tmp_path.glob("*.bin"))
+    assert not list(tmp_path.glob("*/*.bin"))
 
 
 def test_kept_weights_come_back_bit_for_bit_and_only_under_their_key(tmp_path):

@@ -17,6 +17,14 @@ model or other flags is never loaded; a change that does not alter the program (
 server module) costs one cold start. The folder is per machine (``compile_cache``), as
 XLA:CPU builds code for the host's instruction set.
 
+Programs of other code can never be loaded by this one, and every version of jaxserve (for
+a developer, every edit) compiles a new set: a test run writes ~500 programs, ~100 MB. So
+the store keeps one folder per process key (``<directory>/<digest of
+process_material>``), marks its own folder used when it opens it, and when it writes a
+program it removes the least recently used other folders beyond ``KEEP_BYTES`` in all
+(ccache's rule, by whole folders; the open one always stays). A second jaxserve installed
+beside this one keeps its folder while it is used.
+
 An executable is written only right after XLA compiled it. XLA:CPU (jaxlib 0.10) serializes
 an executable it *loaded* without its kernels, and the copy then fails to run ("Function
 ... not found"), so this store cannot sit on top of JAX's cache: where it is in use, JAX's
@@ -30,6 +38,7 @@ import functools
 import hashlib
 import os
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +52,8 @@ from jaxserve import caching
 from jaxserve.runner import compile_counter
 from pallas_kernels import cpu_build
 
-FORMAT = 1  # of the files; part of every key
+FORMAT = 2  # of the files; part of every key (1: all programs in one folder)
+KEEP_BYTES = 4 << 30  # the store's size above which other code's folders go, oldest use first
 _ENV_PREFIXES = ("XLA_", "JAX_", "JAXSERVE_", "LIBTPU", "TPU_")
 
 
@@ -90,9 +100,16 @@ class ProgramStore:
     ``context``: what the runner adds to every key (see the module docstring)."""
 
     def __init__(self, directory: str | Path, context: bytes):
-        self.directory = Path(directory)
+        self.root = Path(directory)
+        self.directory = self.root / hashlib.sha256(process_material()).hexdigest()[:16]
         self._context = hashlib.sha256(process_material() + b"\0" + context).digest()
         self.loaded = 0  # programs this store loaded (the rest it compiled)
+        self._pruned = False
+        try:  # used now: the last folder pruning takes
+            self.directory.mkdir(parents=True, exist_ok=True)
+            os.utime(self.directory)
+        except OSError:  # an unwritable cache: nothing is kept
+            pass
 
     def _path(self, name: str, args: tuple) -> Path:
         key = hashlib.sha256(self._context + name.encode() + b"\0" + _signature(args)).hexdigest()
@@ -145,3 +162,46 @@ class ProgramStore:
         except Exception:  # e.g. a program with host callbacks: it stays in memory only
             return
         caching.write_atomically(path, [blob])  # a concurrent writer's copy is the same
+        if not self._pruned:  # once per store, on a start that compiles (a warm one writes nothing)
+            self._pruned = True
+            prune(self.root, keep=self.directory)
+
+
+def _size(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 for what vanished meanwhile)."""
+    total = 0
+    for f in path.rglob("*"):
+        try:
+            total += f.stat().st_size if f.is_file() else 0
+        except OSError:
+            continue
+    return total
+
+
+def prune(root: Path, keep: Path, keep_bytes: int | None = None) -> list[Path]:
+    """Removes, from ``root``, files of the earlier one-folder layout and then the least
+    recently used program folders other than ``keep`` while all of them take more than
+    ``keep_bytes`` (default ``KEEP_BYTES``); returns what it removed. A folder's use is its
+    modification time, which a store sets when it opens it."""
+    limit = KEEP_BYTES if keep_bytes is None else keep_bytes
+    removed = []
+    folders = []
+    for entry in root.iterdir():
+        try:
+            if entry.is_dir():
+                if entry != keep:
+                    folders.append((entry.stat().st_mtime, entry))
+            elif entry.suffix == ".bin":  # FORMAT 1's: no process of this version reads them
+                entry.unlink()
+                removed.append(entry)
+        except OSError:
+            continue
+    sizes = {folder: _size(folder) for _, folder in folders}
+    total = _size(keep) + sum(sizes.values())
+    for _, folder in sorted(folders):  # oldest use first
+        if total <= limit:
+            break
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+        total -= sizes[folder]
+    return removed
