@@ -57,6 +57,10 @@ def test_shipped_h200_config_compiles_every_bucket_pair():
     forwards, samplers = compile_every_bucket(compiler)
     assert len(forwards) >= 30 and samplers
     check_step_reports(compiler, forwards)
+    # The step that scores prompts (warmup_scoring; prompt_logprobs), at the largest pair.
+    scored = compiler.compile_scored(*max(compiler.plan.runner.bucket_pairs))
+    assert scored.alias_bytes >= compiler.kv_cache_bytes
+    assert scored.peak_bytes < compiler.target.chip.hbm_bytes, scored.peak_bytes
 
 
 def test_int8_weights_compile_for_h200_without_a_weight_sized_temporary():
