@@ -164,7 +164,10 @@ class ProgramStore:
         caching.write_atomically(path, [blob])  # a concurrent writer's copy is the same
         if not self._pruned:  # once per store, on a start that compiles (a warm one writes nothing)
             self._pruned = True
-            prune(self.root, keep=self.directory)
+            try:
+                prune(self.root, keep=self.directory)
+            except OSError:  # the cache's folder went away or is unreadable: nothing to prune
+                pass
 
 
 def _size(path: Path) -> int:
