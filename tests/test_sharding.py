@@ -87,7 +87,7 @@ def test_two_processes_on_localhost(tmp_path):
     sys.path.insert(0, str(ROOT / "tests"))
     from sharded_check import _tiny_model
 
-    path = _tiny_model(8)
+    path = _tiny_model(8, str(tmp_path))  # pytest removes it; mkdtemp left one in /tmp per run
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
