@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
 import struct
 from pathlib import Path
@@ -42,11 +41,17 @@ MAGIC = b"jaxserve-weights-1\n"
 _ALIGN = 64  # bytes: each array starts on a cache line, as numpy and XLA like it
 
 
+def _identity(path: Path) -> tuple[str, int, int]:
+    """(path, size, mtime_ns): what the key knows of one file. Raises OSError if it is gone."""
+    st = path.stat()
+    return str(path), st.st_size, st.st_mtime_ns
+
+
 def _files(path: Path) -> list[tuple[str, int, int]]:
-    """(path, size, mtime_ns) of the checkpoint's file, or of every file in its folder."""
+    """``_identity`` of the checkpoint's file, or of every file in its folder."""
     path = path.resolve()
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
-    return [(str(p), (st := p.stat()).st_size, st.st_mtime_ns) for p in files]
+    return [_identity(p) for p in files]
 
 
 class Entry(NamedTuple):
@@ -117,14 +122,10 @@ def save(path: Path, key: str, params: dict, files: list = ()) -> None:
 
 def _stale(files: list) -> bool:
     """Whether any of a checkpoint's files (path, size, mtime_ns) is gone or changed."""
-    for name, size, mtime in files:
-        try:
-            st = os.stat(name)
-        except OSError:
-            return True
-        if (st.st_size, st.st_mtime_ns) != (size, mtime):
-            return True
-    return False
+    try:
+        return any(_identity(Path(name)) != (name, size, mtime) for name, size, mtime in files)
+    except OSError:  # gone
+        return True
 
 
 def prune(folder: Path, keep: Path | None = None) -> int:

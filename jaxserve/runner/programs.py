@@ -199,6 +199,8 @@ def prune(root: Path, keep: Path, keep_bytes: int | None = None) -> list[Path]:
                 removed.append(entry)
         except OSError:
             continue
+    if not folders:  # only the open one: nothing to weigh
+        return removed
     sizes = {folder: _size(folder) for _, folder in folders}
     total = _size(keep) + sum(sizes.values())
     for _, folder in sorted(folders):  # oldest use first
