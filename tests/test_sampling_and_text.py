@@ -12,7 +12,16 @@ from jaxserve.engine.engine import Engine
 from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.errors import RequestError
-from jaxserve.runner.sampler import MAX_BLOCKED, MAX_LOGPROBS, PenaltyMetadata, SamplerOutput, argmax, block, penalize
+from jaxserve.runner.sampler import (
+    MAX_BLOCKED,
+    MAX_LOGPROBS,
+    PenaltyMetadata,
+    SamplerOutput,
+    argmax,
+    kept_words,
+    masked,
+    penalize,
+)
 from tests.conftest import rng_tokens
 
 
@@ -187,7 +196,7 @@ def test_penalties_match_a_numpy_reference():
     blocked[2, :2] = [7, 8]
     no_bias = np.full((s, 300), -1, np.int32), np.zeros((s, 300), np.float32)
     pmd = PenaltyMetadata(rep, pres, freq, hist, num_prompt, np.full(s, -1, np.int32), *no_bias)
-    got = np.asarray(block(penalize(logits, pmd), blocked))
+    got = np.asarray(masked(penalize(logits, pmd), kept_words(blocked, None, vocab)))
     want = logits.copy()
     for i in range(s):
         toks = [t for t in hist[i] if t >= 0]
@@ -198,6 +207,32 @@ def test_penalties_match_a_numpy_reference():
             want[i, t] -= freq[i] * out.count(t) + pres[i]
     want[2, [7, 8]] = -np.inf
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_the_mask_keeps_what_the_bitmask_allows_less_the_blocked_ids():
+    """``kept_words`` clears each blocked id's bit of structured output's bitmask (ids
+    sharing a word, bit 31, the last partial word, -1 padding); ``masked`` puts -inf on
+    exactly the cleared and disallowed tokens, NaN left where it is allowed."""
+    rng = np.random.default_rng(0)
+    s, vocab = 4, 70  # three words, the last one partial
+    logits = rng.standard_normal((s, vocab)).astype(np.float32)
+    logits[3, 5] = np.nan
+    allow = rng.random((s, vocab)) < 0.7
+    allow[0] = True
+    bits = np.zeros((s, 96), np.uint32)
+    bits[:, :vocab] = allow
+    allowed = (bits.reshape(s, 3, 32) << np.arange(32, dtype=np.uint32)).sum(axis=2, dtype=np.uint32).view(np.int32)
+    blocked = np.full((s, MAX_BLOCKED), -1, np.int32)
+    blocked[0, :5] = [31, 0, 33, 69, 30]  # bit 31 and bit 0 of word 0 together; word 2's last token
+    blocked[1, 3:5] = [7, 64]  # padding before them
+    blocked[3, :1] = [5]  # a blocked NaN: -inf like any blocked token
+    got = np.asarray(masked(jax.numpy.asarray(logits), kept_words(blocked, allowed, vocab)))
+    want = np.where(allow, logits, -np.inf)
+    for i in range(s):
+        want[i, blocked[i][blocked[i] >= 0]] = -np.inf
+    np.testing.assert_array_equal(got, want)
+    everything = np.asarray(masked(jax.numpy.asarray(logits), kept_words(np.full((s, 1), -1, np.int32), None, vocab)))
+    np.testing.assert_array_equal(everything, logits)
 
 
 class ScriptedRunner:

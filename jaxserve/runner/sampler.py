@@ -7,15 +7,17 @@ inverse-CDF draws with a rising pivot, no sort). Each sequence's random numbers 
 ``fold_in(key(seed), position)``: a seeded request draws the same token at the same
 position whatever else shares the batch. Logprobs are of the raw model distribution.
 Steps where nobody needs a feature skip it (``lax.cond``), so the common all-greedy step
-without logprobs is a plain argmax: no softmax over the vocabulary.
+without logprobs is an argmax: no softmax over the vocabulary.
 
 Penalties need each sequence's token history, ``[S, max_model_len]``: megabytes per step
 on an accelerator. Only steps with a penalised request send it: ``sample`` called with
 ``penalties`` is a second compiled variant (per sequence bucket, compiled at warm-up),
 and the other steps neither ship the history nor trace the penalty scatter. Structured
 output's token bitmask (``allowed``, from the host's grammar matchers) is an input of
-every step, applied only when a row is constrained (``lax.cond``); steps without one pass
-an all-ones mask kept on the device, so they send nothing and compile nothing more.
+every step; steps without a constrained row pass an all-ones mask kept on the device, so
+they send nothing and compile nothing more. It and min_tokens' blocked ids make one
+[S, V / 32] bitmask (``kept_words``) that each pass over the logits applies as it reads
+them (``masked``): masked and unmasked steps run one program, which holds the draw once.
 """
 
 from __future__ import annotations
@@ -103,12 +105,28 @@ def penalize(logits: jax.Array, pmd: PenaltyMetadata) -> jax.Array:
     return logits + bias[:, :vocab]
 
 
-def block(logits: jax.Array, blocked_ids: jax.Array) -> jax.Array:
-    """-inf at each row's blocked ids (stop tokens under min_tokens; -1 is padding)."""
-    s, vocab = logits.shape
+def kept_words(blocked_ids: jax.Array, allowed: jax.Array | None, vocab: int) -> jax.Array:
+    """[S, ceil(V / 32)] int32: each row's bitmask of the tokens it may take (bit j of word
+    w is token 32 w + j): structured output's ``allowed`` (all ones without it) with the
+    row's blocked ids cleared (stop tokens under min_tokens; -1 is padding). A row's
+    blocked ids are distinct (the engine sends a set), so adding their bits sets each once:
+    a scatter into [S, V / 32] words, not a copy of the [S, V] logits."""
+    s, words = blocked_ids.shape[0], (vocab + 31) // 32
+    if allowed is None:
+        allowed = jnp.full((s, words), -1, jnp.int32)
     rows = jnp.arange(s)[:, None]
-    blocked = jnp.where(blocked_ids >= 0, blocked_ids, vocab)  # out of range: dropped
-    return logits.at[rows, blocked].set(-jnp.inf, mode="drop")
+    word = jnp.where(blocked_ids >= 0, blocked_ids // 32, words)  # out of range: dropped
+    bit = jnp.left_shift(jnp.int32(1), blocked_ids % 32)
+    blocked = jnp.zeros((s, words), jnp.int32).at[rows, word].add(bit, mode="drop")
+    return allowed & ~blocked
+
+
+def masked(logits: jax.Array, words: jax.Array) -> jax.Array:
+    """-inf where a row's bit in ``words`` (``kept_words``) is 0. Elementwise, so XLA fuses
+    it into what reads it instead of writing masked logits."""
+    s, vocab = logits.shape
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1
+    return jnp.where(bits.reshape(s, -1)[:, :vocab] == 1, logits, -jnp.inf)
 
 
 def _block_width(vocab: int) -> int:
@@ -183,8 +201,10 @@ def draw(weight_blocks, u: jax.Array) -> jax.Array:
     return (blk * inside.shape[1] + idx).astype(jnp.int32)
 
 
-def _sample_rows(logits, md: SamplingMetadata) -> jax.Array:
-    """Each sampled row's token from its temperature-scaled distribution, filtered.
+def _sample_rows(logits, md: SamplingMetadata, words: jax.Array | None = None, greedy=None) -> jax.Array:
+    """Each sampled row's token from its temperature-scaled distribution, filtered: tokens
+    whose bit in ``words`` (``kept_words``; None: every token) is 0 are never drawn.
+    ``greedy``: ``argmax`` of the masked logits, when the caller has it.
 
     The filters keep a set of the largest values, ties at the edge included: top-k keeps a
     value if fewer than k values are strictly larger; top-p if the probability mass strictly
@@ -201,21 +221,26 @@ def _sample_rows(logits, md: SamplingMetadata) -> jax.Array:
     2-core Zen 3, ~5 ms with top-p. The Gumbel draw this replaces took 27.5 ms there
     (threefry bits and two logs for every token), ~49 ms with top-p (a 32-step search of
     the threshold)."""
-    s = logits.shape[0]
+    s, vocab = logits.shape
+    if words is None:
+        words = kept_words(jnp.full((s, 1), -1, jnp.int32), None, vocab)
+    # The mask is applied where the logits are read, never written out: a masked token's
+    # exponential is 0, so the draw loop reads the raw logits (it never draws a masked
+    # token, and top-k's count leaves them out).
+    top = masked(logits, words).max(axis=1)
     temperature = jnp.where(md.temperature > 0, md.temperature, 1.0)
     # In logit space: x / t is monotone in x for t > 0, so "above a value" and min-p's
     # floor (max / t + log(min_p) on the scaled logits) compare raw logits, and only the
     # exponentials are materialized.
-    top = logits.max(axis=1)
-    exp = jnp.exp((logits - top[:, None]) / temperature[:, None])  # masked tokens (-inf) weigh 0
+    exp = jnp.exp((masked(logits, words) - top[:, None]) / temperature[:, None])  # masked tokens weigh 0
     total = exp.sum(axis=1)
     floor = jnp.where(md.min_p > 0, top + temperature * jnp.log(jnp.maximum(md.min_p, 1e-30)), -jnp.inf)
     logit_blocks, exp_blocks = _blocked(logits, -jnp.inf), _blocked(exp, 0.0)
     any_k, any_p = jnp.any(md.top_k > 0), jnp.any(md.top_p < 1)
     uniforms = _uniforms(md.seeds, md.positions)
 
-    def by_k(x):  # fewer than k logits strictly above x
-        return (md.top_k <= 0) | ((logits > x[:, None]).sum(axis=1) < md.top_k)
+    def by_k(x):  # fewer than k kept logits strictly above x
+        return (md.top_k <= 0) | ((masked(logits, words) > x[:, None]).sum(axis=1) < md.top_k)
 
     def by_p(x):  # less than top_p of the mass strictly above x
         return (md.top_p >= 1) | (jnp.where(logits > x[:, None], exp, 0.0).sum(axis=1) < md.top_p * total)
@@ -241,16 +266,9 @@ def _sample_rows(logits, md: SamplingMetadata) -> jax.Array:
     # Greedy rows, and rows with nothing to draw (every logit -inf, or NaN), do not draw.
     init = (jnp.int32(0), jnp.full((s,), -jnp.inf), jnp.zeros((s,), jnp.int32), (md.temperature <= 0) | ~(total > 0))
     _, _, token, done = jax.lax.while_loop(lambda state: (state[0] < MAX_ROUNDS) & ~jnp.all(state[3]), one_round, init)
-    fallback = argmax(logits)  # greedy; also a row's largest value, kept by every filter
-    return jnp.where((md.temperature > 0) & done & (total > 0), token, fallback).astype(jnp.int32)
-
-
-def allow(logits: jax.Array, allowed: jax.Array) -> jax.Array:
-    """-inf where a row's bitmask ``allowed`` [S, ceil(V / 32)] int32 has a 0 (bit j of
-    word w is token 32 w + j; an unconstrained row is all ones)."""
-    s, vocab = logits.shape
-    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)[None, None, :]) & 1
-    return jnp.where(bits.reshape(s, -1)[:, :vocab] == 1, logits, -jnp.inf)
+    if greedy is None:
+        greedy = argmax(masked(logits, words))  # also a row's largest value, kept by every filter
+    return jnp.where((md.temperature > 0) & done & (total > 0), token, greedy).astype(jnp.int32)
 
 
 def sample(
@@ -262,28 +280,20 @@ def sample(
     raw = logits
     if penalties is not None:  # a separate compiled variant (see the module doc)
         logits = penalize(logits, penalties)
+    # min_tokens' blocked stop ids and structured output's bitmask, as one [S, V / 32] mask
+    # that every pass over the logits applies as it reads them: masking the logits in place
+    # would first copy all of them (the raw logits stay live for the logprobs), [32, 49152]
+    # float32, 1-2.6 ms of a 32-sequence decode step. One program for masked and unmasked
+    # steps: the draw below is the sampler's costliest part to compile (as two branches it
+    # was twice in every program).
+    words = kept_words(md.blocked_ids, allowed, logits.shape[1])
+    greedy = argmax(masked(logits, words))  # the greedy rows' tokens; the sampled rows' fallback
 
-    def random(x):
-        return _sample_rows(x, md)
+    def random(operands):
+        logits, words, greedy = operands
+        return _sample_rows(logits, md, words, greedy)
 
-    def greedy(x):
-        return argmax(x).astype(jnp.int32)
-
-    def choose(x):
-        return jax.lax.cond(jnp.all(md.temperature == 0), greedy, random, x)
-
-    def masked(x):  # min_tokens' blocked stop ids; structured output's bitmask
-        x = block(x, md.blocked_ids)
-        return choose(x if allowed is None else allow(x, allowed))
-
-    # The masks apply inside the branch that picks tokens, so a step where no row is blocked
-    # or constrained reads the logits as they are: masking them in place would first copy
-    # all of them (the raw logits stay live for the logprobs), as would a lax.cond returning
-    # them unchanged: [32, 49152] float32, 1-2.6 ms of a 32-sequence decode step.
-    any_masked = jnp.any(md.blocked_ids >= 0)
-    if allowed is not None:
-        any_masked |= jnp.any(allowed != -1)
-    tokens = jax.lax.cond(any_masked, masked, choose, logits)
+    tokens = jax.lax.cond(jnp.all(md.temperature == 0), lambda ops: ops[2], random, (logits, words, greedy))
     s = raw.shape[0]
 
     def with_logprobs(raw):
