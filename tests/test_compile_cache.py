@@ -192,6 +192,13 @@ def test_kept_weights_come_back_bit_for_bit_and_only_under_their_key(tmp_path):
         assert names == names_back and got.dtype == want.dtype and isinstance(got, jax.Array)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert weight_cache.load(path, "key 2") is None  # another version of the code or file
+    if Path("/proc/self/maps").exists():  # the parameters are the file's mapped pages, not a copy
+        maps = [
+            line.split()[0].split("-") for line in Path("/proc/self/maps").read_text().splitlines() if str(path) in line
+        ]
+        for got in traverse_util.flatten_dict(back).values():
+            assert any(int(lo, 16) <= got.unsafe_buffer_pointer() < int(hi, 16) for lo, hi in maps), maps
+    del back
     path.write_bytes(path.read_bytes()[:-100])  # a write cut short
     assert weight_cache.load(path, "key 1") is None
 
