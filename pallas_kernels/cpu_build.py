@@ -24,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from importlib import metadata
 
 import jax
@@ -179,11 +180,20 @@ class Kernels:
     matmul_error: str
 
 
-@functools.cache
+_KERNELS_LOCK = threading.Lock()
+
+
 def kernels() -> Kernels:
     """Builds (once per process) the library with every kernel this machine can have and
     registers their FFI targets: ``jaxserve_ragged_paged_attention``,
-    ``jaxserve_int8_matmul`` and, with oneDNN, ``jaxserve_matmul`` and ``jaxserve_matmul_swiglu``. A matmul that fails to build leaves the attention kernel alone."""
+    ``jaxserve_int8_matmul`` and, with oneDNN, ``jaxserve_matmul`` and ``jaxserve_matmul_swiglu``. A matmul that fails to build leaves the attention kernel alone.
+    Once even when threads ask at once (a warm start loads its programs on several)."""
+    with _KERNELS_LOCK:
+        return _kernels()
+
+
+@functools.cache
+def _kernels() -> Kernels:
     try:
         compile_args, link_args, version = onednn_build_args()
         lib = build((ATTENTION, INT8, MATMUL), "cpu_kernels_onednn", compile_args, link_args, (version,))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 import pickle
 import threading
 import time
@@ -264,6 +265,11 @@ def copy_pages(kv_cache, src, dst):
     return jax.tree.map(lambda x: x.at[:, :, dst].set(x[:, :, src]), kv_cache)
 
 
+def _name(key: tuple) -> str:
+    """A program's name in the store: its key's parts joined ("forward/64/8")."""
+    return "/".join(map(str, key))
+
+
 def _in_background(fn) -> concurrent.futures.Future:
     """``fn()`` on a thread of its own. Not a daemon: the interpreter ends a daemon thread
     wherever it is, and one inside an XLA call aborts the process (a script that ends right
@@ -462,7 +468,7 @@ class ModelRunner:
         program = self._programs.get(key)
         if program is None:
             if self.store is not None:
-                program = self.store.compiled("/".join(map(str, key)), fn, args)
+                program = self.store.compiled(_name(key), fn, args)
             else:
                 program = fn.lower(*args).compile()
             self._programs[key] = program
@@ -529,28 +535,45 @@ class ModelRunner:
         pairs = self.cfg.bucket_pairs
         seq_buckets = sorted({s for _, s in pairs})
         scoring = self.cfg.warmup_scoring and self.channel is None  # multi-host does not score prompts
-        jobs = len(pairs) * (2 if scoring else 1) + 2 * len(seq_buckets) + 1
-        bar = tqdm(total=jobs, desc="compiling step buckets", disable=not progress, leave=False)
-        logits = {}  # sequence bucket -> the logits' shape and placement, as the model outputs them
+        total = len(pairs) * (2 if scoring else 1) + 2 * len(seq_buckets) + 1
+        bar = tqdm(total=total, desc="compiling step buckets", disable=not progress, leave=False)
+        jobs = []  # (key, jitted function, arguments): the forwards first, the samplers need their logits
         for t, s in pairs:  # against the cache's shape: it may still be being zeroed
             _, (md, feed_rows, *_) = step_inputs(self.cfg, bucket_seqs(self.cfg, t, s), greedy(s))
             args = (self.state, self._kv_spec, md, feed_rows, self._no_feed)
-            logits[s] = self._program(("forward", t, s), self._forward, *args).out_info[1]
-            bar.update()
+            jobs.append((("forward", t, s), self._forward, args))
             if scoring:  # the same step with every row's logits scored (dispatch's ``targets``)
-                self._program(("scored_forward", t, s), self._scored_forward, *args, np.zeros(t, np.int32))
-                bar.update()
+                jobs.append((("scored_forward", t, s), self._scored_forward, (*args, np.zeros(t, np.int32))))
+        pages = np.zeros(self.cfg.max_num_seqs, np.int32)
+        jobs.append((("copy_pages",), self._copy_pages, (self._kv_spec, pages, pages)))
+        made = zip(jobs, self._make(jobs, bar), strict=True)
+        # sequence bucket -> the logits' shape and placement, as the model outputs them
+        logits = {key[2]: program.out_info[1] for (key, _, _), program in made if key[0] == "forward"}
+        jobs = []
         for s in seq_buckets:
             for penalties in (False, True):
                 _, (_, _, smd, pmd, _) = step_inputs(self.cfg, bucket_seqs(self.cfg, s, s), greedy(s, penalties))
-                self._program(
-                    ("sample", s, penalties), self._sample, logits[s], smd, pmd, self._no_feed, self._all_allowed(s)
-                )
-                bar.update()
-        pages = np.zeros(self.cfg.max_num_seqs, np.int32)
-        self._program(("copy_pages",), self._copy_pages, self._kv_spec, pages, pages)
-        bar.update()
+                args = (logits[s], smd, pmd, self._no_feed, self._all_allowed(s))
+                jobs.append((("sample", s, penalties), self._sample, args))
+        self._make(jobs, bar)
         bar.close()
+
+    def _make(self, jobs: list, bar) -> list:
+        """The programs of ``jobs`` ((key, jitted function, arguments) each). On the CPU,
+        those the store holds load several at a time first: a load is mostly XLA
+        deserializing, which leaves the GIL (SmolLM2's 23 programs on 2 cores: 0.56 ->
+        0.25 s). Elsewhere, and the rest, one at a time, as steps would make them (libtpu
+        crashed compiling on several threads here; loads were never tried on a TPU)."""
+        todo = [(key, args) for key, _, args in jobs if key not in self._programs]
+        if self.store is not None and len(todo) > 1 and jax.devices()[0].platform == "cpu":
+            with concurrent.futures.ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1, 8)) as pool:
+                found = pool.map(lambda job: self.store.load(_name(job[0]), job[1]), todo)
+                self._programs.update((key, p) for (key, _), p in zip(todo, found, strict=True) if p is not None)
+        programs = []
+        for key, fn, args in jobs:
+            programs.append(self._program(key, fn, *args))
+            bar.update()
+        return programs
 
     @property
     def num_compiles(self) -> int:

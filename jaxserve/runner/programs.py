@@ -39,6 +39,7 @@ import hashlib
 import os
 import pickle
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,7 @@ class ProgramStore:
         self.directory = self.root / hashlib.sha256(process_material()).hexdigest()[:16]
         self._context = hashlib.sha256(process_material() + b"\0" + context).digest()
         self.loaded = 0  # programs this store loaded (the rest it compiled)
+        self._lock = threading.Lock()
         self._pruned = False
         try:  # used now: the last folder pruning takes
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -115,16 +117,24 @@ class ProgramStore:
         key = hashlib.sha256(self._context + name.encode() + b"\0" + _signature(args)).hexdigest()
         return self.directory / f"{key}.bin"
 
+    def load(self, name: str, args: tuple) -> Any:
+        """The stored program for ``name`` and ``args``, or None. Several threads may load
+        at once (a warm start does: ``ModelRunner.compile_ahead``)."""
+        loaded = self._load(self._path(name, args), args)
+        if loaded is not None:
+            with self._lock:
+                self.loaded += 1
+            compile_counter.record_load()  # a program a step waited for, as JAX counts its loads
+        return loaded
+
     def compiled(self, name: str, fn, args: tuple) -> jax.stages.Compiled:
         """``fn``'s program for ``args`` (a ``jax.jit`` function; an argument may be a
         ``jax.ShapeDtypeStruct`` with its sharding): loaded from the store if it holds one,
         else lowered, compiled and written to it."""
-        path = self._path(name, args)
-        loaded = self._load(path, args)
+        loaded = self.load(name, args)
         if loaded is not None:
-            self.loaded += 1
-            compile_counter.record_load()  # a program a step waited for, as JAX counts its loads
             return loaded
+        path = self._path(name, args)
         hits = compile_counter.num_cache_loads()
         compiled = fn.lower(*args).compile()
         if compile_counter.num_cache_loads() == hits:  # XLA compiled it just now (see above)
