@@ -90,7 +90,6 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
         compile_cache.disable()
     ckpt = open_checkpoint(resolve_model(cfg.model, cfg.cache_dir), cfg.cache_dir or default_cache_dir())
     mcfg = ckpt.config
-    tokenizer = ckpt.tokenizer()
     plan = resolve_plan(cfg, mcfg)
     packed = plan.matmul in ("onednn", "amx")
     quant = int8_weights(mcfg, plan.weight_dtype, ckpt, fused=packed) if plan.quantization == "int8" else None
@@ -107,6 +106,10 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
         quant=quant,
         cache=weight_dir,
     )
+    # The runner first: it starts zeroing the KV cache on a thread of its own, which the
+    # tokenizer's load (mostly importing transformers) then overlaps.
+    runner = ModelRunner(model, plan.runner, program_dir)
+    tokenizer = ckpt.tokenizer()
     eos = set(mcfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     scheduler = Scheduler(
         kv,
@@ -117,7 +120,5 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
         lpm_aging_steps=cfg.lpm_aging_steps,
         min_token_bucket=plan.runner.min_token_bucket,
     )
-    engine = Engine(
-        ModelRunner(model, plan.runner, program_dir), scheduler, tokenizer, eos, overlap=cfg.overlap_scheduling
-    )
+    engine = Engine(runner, scheduler, tokenizer, eos, overlap=cfg.overlap_scheduling)
     return EngineHandle(cfg, plan, mcfg, tokenizer, engine, quant)

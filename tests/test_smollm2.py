@@ -69,6 +69,10 @@ def test_gguf_index_reopens_the_same_checkpoint_without_parsing(smollm2_path, tm
     (index / "index.json").write_text("{not json")
     rebuilt = open_checkpoint(smollm2_path, tmp_path)
     assert rebuilt.config == first.config and json.loads((index / "index.json").read_text())["tensors"]
+    (index / "tokenizer" / "tokenizer.json").write_text("{not json")  # found only when it loads
+    assert open_checkpoint(smollm2_path, tmp_path).tokenizer().encode(text) == first.tokenizer().encode(text)
+    assert open_checkpoint(smollm2_path, tmp_path).tokenizer().encode(text) == first.tokenizer().encode(text)
+    assert json.loads((index / "tokenizer" / "tokenizer.json").read_text())  # rebuilt
     copy = tmp_path / "copy.gguf"
     shutil.copyfile(smollm2_path, copy)
     open_checkpoint(copy, tmp_path)

@@ -167,6 +167,7 @@ class GGUFCheckpoint(Checkpoint):
 
     def __init__(self, path: Path, cache_dir: Path | None = None):
         self.path = path
+        self._indexed: Path | None = None  # an index whose tokenizer is still to load
         index = _index_dir(path, cache_dir) if cache_dir is not None else None
         if index is not None and self._open_index(index):
             return
@@ -222,7 +223,6 @@ class GGUFCheckpoint(Checkpoint):
 
     def _open_index(self, index: Path) -> bool:
         import gguf
-        from transformers import PreTrainedTokenizerFast
 
         try:
             record = json.loads((index / "index.json").read_text())
@@ -239,7 +239,9 @@ class GGUFCheckpoint(Checkpoint):
                 view = np.asarray(data[offset : offset + nbytes]).view(dtype).reshape(data_shape)  # no memmap
                 qtype = gguf.GGMLQuantizationType[qtype]
                 self._tensors[hf_name] = _GGUFTensor(name, qtype, tuple(shape), offset, view)
-            self._tokenizer = PreTrainedTokenizerFast.from_pretrained(str(index / "tokenizer"))
+            # Loaded when first asked for (``tokenizer``): importing transformers is most of
+            # it (~0.8 s), and a start does it while the KV cache is being zeroed.
+            self._tokenizer, self._indexed = None, index
             return True
         except Exception:  # missing, partial, from another version: rebuild it
             shutil.rmtree(index, ignore_errors=True)
@@ -299,6 +301,16 @@ class GGUFCheckpoint(Checkpoint):
         return tuple(None if p is None else self._unpermuted(name, p) for p in parts)
 
     def tokenizer(self):
+        if self._tokenizer is None and self._indexed is not None:
+            from transformers import PreTrainedTokenizerFast
+
+            index, self._indexed = self._indexed, None
+            try:
+                self._tokenizer = PreTrainedTokenizerFast.from_pretrained(str(index / "tokenizer"))
+            except Exception:  # a broken index: read the file again and rebuild it
+                shutil.rmtree(index, ignore_errors=True)
+                self._read_file()
+                self._write_index(index)  # converts the tokenizer (this method) and saves it
         if self._tokenizer is None:
             self._tokenizer = self._convert_tokenizer()
         return self._tokenizer
