@@ -7,7 +7,6 @@ shows up as NaN in the output.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import dataclasses
 import functools
@@ -562,14 +561,14 @@ def test_cpu_kernel_library_keeps_its_prefetches():
     library = cpu_build.kernels().lib._name
     listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", library], capture_output=True, text=True)
     assert listing.returncode == 0, listing.stderr
-    runners, prefetches, name = set(), collections.Counter(), ""
+    runners, prefetches, name = set(), set(), ""
     for line in listing.stdout.splitlines():
         if function := re.match(r"[0-9a-f]+ <(.*)>:$", line):
             name = function.group(1)
             if "TileRunner" in name:
                 runners.add(name)
         elif "TileRunner" in name and (found := re.search(r"\t(prefetch\w*|prfm)\s", line)):
-            prefetches["amx" if "AmxTileRunner" in name else "lanes", found.group(1)] += 1
+            prefetches.add(("amx" if "AmxTileRunner" in name else "lanes", found.group(1)))
     assert runners, "no TileRunner function in the library"
     assert prefetches, f"no prefetch instruction in {len(runners)} TileRunner functions"
     kinds = {kind for runner, kind in prefetches if runner == "lanes"}
