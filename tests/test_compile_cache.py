@@ -37,7 +37,8 @@ warm = llm.stats()
 out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
 after = llm.stats()
 print(json.dumps({"compiles": warm["num_compiles"], "loaded": warm["num_compiles_loaded"], "lowered": len(lowered), "reads": len(reads),
-                  "after_warmup": after["num_compiles"] - warm["num_compiles"], "tokens": out.token_ids}))
+                  "after_warmup": after["num_compiles"] - warm["num_compiles"], "tokens": out.token_ids,
+                  "samplers": sum(key[0] == "sample" for key in llm.runner._programs)}))
 """
 
 
@@ -64,6 +65,11 @@ def test_a_second_start_loads_every_program_instead_of_compiling(tiny_model_dir,
     assert len(list((tmp_path / "xla").iterdir())) == 1  # one folder: this machine
     assert len(list((tmp_path / "xla").glob("*/programs/*/*.bin"))) == first["compiles"]
     assert len(list((tmp_path / "xla").glob("*/weights/*.bin"))) == 1
+    # The sampler closes over no model: another model with the same vocabulary and sequence
+    # buckets loads those programs (~0.7 s each to compile) and compiles its own forwards.
+    other = _start(str(tiny_model_dir("qwen2")[0]), str(tmp_path))
+    assert other["samplers"] > 0 and other["loaded"] == other["samplers"] < other["compiles"], other
+    assert other["after_warmup"] == 0
 
 
 def test_the_folder_depends_on_the_host_cpu(monkeypatch):

@@ -8,8 +8,10 @@ by what produced it instead, and a start that finds it neither traces nor lowers
 - the process: jaxserve's and its kernels' source files, the versions of JAX, jaxlib, Flax
   and numpy, the backend, its version and devices, JAX's settings, and the environment
   variables that steer XLA, JAX, libtpu or jaxserve (:func:`process_material`);
-- the runner: the model's structure with its static fields (nnx's GraphDef, which holds
-  the model config and dtypes), the runner config and the mesh's device order;
+- the runner: what the program's function closes over (``ModelRunner``'s stores): for the
+  model's steps, its structure with its static fields (nnx's GraphDef, which holds the
+  model config and dtypes), the attention backend and the mesh's device order; for the
+  sampler only its sequence count and mesh, so engines of other models share it;
 - the call: the program's name and its arguments' tree, types and placements.
 
 A change to any of them is another key, so an executable built from other code, another
@@ -18,7 +20,7 @@ server module) costs one cold start. The folder is per machine (``compile_cache`
 XLA:CPU builds code for the host's instruction set.
 
 Programs of other code can never be loaded by this one, and every version of jaxserve (for
-a developer, every edit) compiles a new set: a test run writes ~500 programs, ~100 MB. So
+a developer, every edit) compiles a new set: a test run writes ~400 programs, ~60 MB. So
 the store keeps one folder per process key (``<directory>/<digest of
 process_material>``), marks its own folder used when it opens it, and when it writes a
 program it removes the least recently used other folders beyond ``KEEP_BYTES`` in all
