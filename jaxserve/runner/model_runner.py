@@ -297,25 +297,27 @@ class ModelRunner:
         self.vocab_size = mcfg.vocab_size
         self.graphdef, self.state = nnx.split(model)
         mesh = cfg.attention_backend.mesh
-        # Program kind -> the store its programs are kept in, under a context of what its
-        # function closes over (the arguments' shapes, types and placements are in every key).
-        self._stores: dict[str, ProgramStore] = {}
+        self.store = None
+        # Program kind -> what its function closes over, part of its programs' keys in the
+        # store (the arguments' shapes, types and placements are in every key).
+        self._contexts: dict[str, bytes] = {}
         if program_dir is not None:
             order = [d.id for d in mesh.devices.flat] if mesh is not None else None
+            self.store = ProgramStore(program_dir, repr(order).encode())
             graph = pickle.dumps(self.graphdef)
-            model = ProgramStore(program_dir, graph + repr((cfg.attention_backend, order)).encode())
+            model = graph + repr(cfg.attention_backend).encode()
             # The cache's allocation takes no arguments: its shape and dtype come from the
             # config (which of the programs warm-up compiles is not part of it).
             built_from = dataclasses.replace(cfg, warmup_scoring=False)
             # The sampler depends on no model: engines of other models and configs with the
             # same vocabulary and sequence buckets share its programs (~0.7 s each to compile
             # for the CPU even at a 320-token vocabulary; two per sequence bucket).
-            self._stores = {
-                "kv_cache": ProgramStore(program_dir, graph + repr((built_from, order)).encode()),
+            self._contexts = {
+                "kv_cache": graph + repr(built_from).encode(),
                 "forward": model,
                 "scored_forward": model,
-                "sample": ProgramStore(program_dir, repr(("sample", cfg.max_num_seqs, mesh, order)).encode()),
-                "copy_pages": ProgramStore(program_dir, b"copy_pages"),
+                "sample": repr(("sample", cfg.max_num_seqs, mesh)).encode(),
+                "copy_pages": b"copy_pages",
             }
         # (name, bucket, ...) -> its compiled program; a step calls these, not the jitted
         # functions, so a program loaded from the store is used as it is (never traced).
@@ -344,7 +346,7 @@ class ModelRunner:
         # thread of its own while the warm-up loads the programs; the first use waits for it.
         self._kv_cache = _in_background(new_kv_cache)
         self.token_buckets, self.seq_buckets = cfg.buckets
-        # What each of these closes over is its store's context (``_stores`` above).
+        # What each of these closes over is its context in the store (``_contexts`` above).
         self._forward = jax.jit(make_forward(self.graphdef, cfg.attention_backend), donate_argnums=(1,))
         self._scored_forward = jax.jit(make_scored_forward(self.graphdef, cfg.attention_backend), donate_argnums=(1,))
         self._sample = jax.jit(make_sample(cfg.max_num_seqs, mesh))
@@ -482,8 +484,8 @@ class ModelRunner:
         made on first use from ``fn`` (jitted) and ``args``, from the store where there is one."""
         program = self._programs.get(key)
         if program is None:
-            if self._stores:
-                program = self._stores[key[0]].compiled(_name(key), fn, args)
+            if self.store is not None:
+                program = self.store.compiled(_name(key), fn, args, self._contexts[key[0]])
             else:
                 program = fn.lower(*args).compile()
             self._programs[key] = program
@@ -580,9 +582,9 @@ class ModelRunner:
         0.25 s). Elsewhere, and the rest, one at a time, as steps would make them (libtpu
         crashed compiling on several threads here; loads were never tried on a TPU)."""
         todo = [(key, args) for key, _, args in jobs if key not in self._programs]
-        if self._stores and len(todo) > 1 and jax.devices()[0].platform == "cpu":
+        if self.store is not None and len(todo) > 1 and jax.devices()[0].platform == "cpu":
             with concurrent.futures.ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1, 8)) as pool:
-                found = pool.map(lambda job: self._stores[job[0][0]].load(_name(job[0]), job[1]), todo)
+                found = pool.map(lambda job: self.store.load(_name(job[0]), job[1], self._contexts[job[0][0]]), todo)
                 self._programs.update((key, p) for (key, _), p in zip(todo, found, strict=True) if p is not None)
         programs = []
         for key, fn, args in jobs:

@@ -8,7 +8,7 @@ by what produced it instead, and a start that finds it neither traces nor lowers
 - the process: jaxserve's and its kernels' source files, the versions of JAX, jaxlib, Flax
   and numpy, the backend, its version and devices, JAX's settings, and the environment
   variables that steer XLA, JAX, libtpu or jaxserve (:func:`process_material`);
-- the runner: what the program's function closes over (``ModelRunner``'s stores): for the
+- the runner: what the program's function closes over (``ModelRunner._contexts``): for the
   model's steps, its structure with its static fields (nnx's GraphDef, which holds the
   model config and dtypes), the attention backend and the mesh's device order; for the
   sampler only its sequence count and mesh, so engines of other models share it;
@@ -100,7 +100,8 @@ def _signature(args: tuple) -> bytes:
 class ProgramStore:
     """Executables in ``directory``, one file each, named by the hash of their key.
 
-    ``context``: what the runner adds to every key (see the module docstring)."""
+    ``context``: what the runner adds to every key; a call's ``context``: what that
+    program's function closes over (see the module docstring)."""
 
     def __init__(self, directory: str | Path, context: bytes):
         self.root = Path(directory)
@@ -115,28 +116,29 @@ class ProgramStore:
         except OSError:  # an unwritable cache: nothing is kept
             pass
 
-    def _path(self, name: str, args: tuple) -> Path:
-        key = hashlib.sha256(self._context + name.encode() + b"\0" + _signature(args)).hexdigest()
+    def _path(self, name: str, args: tuple, context: bytes) -> Path:
+        parts = (self._context, hashlib.sha256(context).digest(), name.encode(), b"\0", _signature(args))
+        key = hashlib.sha256(b"".join(parts)).hexdigest()
         return self.directory / f"{key}.bin"
 
-    def load(self, name: str, args: tuple) -> Any:
+    def load(self, name: str, args: tuple, context: bytes = b"") -> Any:
         """The stored program for ``name`` and ``args``, or None. Several threads may load
         at once (a warm start does: ``ModelRunner.compile_ahead``)."""
-        loaded = self._load(self._path(name, args), args)
+        loaded = self._load(self._path(name, args, context), args)
         if loaded is not None:
             with self._lock:
                 self.loaded += 1
             compile_counter.record_load()  # a program a step waited for, as JAX counts its loads
         return loaded
 
-    def compiled(self, name: str, fn, args: tuple) -> jax.stages.Compiled:
+    def compiled(self, name: str, fn, args: tuple, context: bytes = b"") -> jax.stages.Compiled:
         """``fn``'s program for ``args`` (a ``jax.jit`` function; an argument may be a
         ``jax.ShapeDtypeStruct`` with its sharding): loaded from the store if it holds one,
         else lowered, compiled and written to it."""
-        loaded = self.load(name, args)
+        loaded = self.load(name, args, context)
         if loaded is not None:
             return loaded
-        path = self._path(name, args)
+        path = self._path(name, args, context)
         hits = compile_counter.num_cache_loads()
         compiled = fn.lower(*args).compile()
         if compile_counter.num_cache_loads() == hits:  # XLA compiled it just now (see above)
