@@ -121,15 +121,39 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf(smollm2_path):
-    """transformers' own float32 load of the same GGUF: the oracle."""
+def smollm2_hf(smollm2_path, tmp_path_factory):
+    """transformers' own float32 load of the same GGUF: the oracle. transformers
+    dequantizes every block in Python (~19 s a process), so the first of the run's
+    processes to need it saves the result (float32 safetensors, config, tokenizer) in the
+    folder the run's workers share; the other loads that (~1 s): the same tensors, bit for
+    bit. pytest removes it with the run's other temporary folders."""
+    import fcntl
+    import shutil
+
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
-    ).eval()
-    tok = AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
-    return model, tok
+    run = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run = run.parent  # the workers' own folders are popen-gw0, popen-gw1, ... in the run's
+    saved = run / "smollm2-hf-float32"
+    with open(run / "smollm2-hf-float32.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process converts; the other waits, then loads
+        if not saved.is_dir():
+            model = AutoModelForCausalLM.from_pretrained(
+                str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+            )
+            tok = AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+            if hasattr(model.config, "quantization_config"):  # the GGUF's: the tensors saved are float32
+                del model.config.quantization_config
+            tmp = run / "smollm2-hf-float32.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            model.config.save_pretrained(tmp)
+            save_model(model, str(tmp / "model.safetensors"))  # the tied embedding and LM head once
+            tok.save_pretrained(tmp)
+            tmp.rename(saved)
+    model = AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(saved))
 
 
 def record_steps(llm) -> list[tuple[tuple[str, int, bool], ...]]:
@@ -227,10 +251,43 @@ def _on_duration(event: str, duration: float, **_) -> None:
         _compiling["total"] += duration
 
 
+# The files that take longest (test seconds, fresh caches, a 2-core Zen 4: `pytest -n 2
+# --durations=0`), longest first; the others follow in their own order. xdist's loadfile
+# hands out whole files in collection order, so the two workers finish within a short file
+# of each other; its own order (by number of tests) left one idle ~40 s unloaded, ~100 s
+# under load. Only the order changes: a stale list costs time, never a test.
+LONGEST_FIRST = (
+    "test_tpu_compile.py",  # 195 s
+    "test_attention_kernels.py",  # 172
+    "test_kv_quant.py",  # 161
+    "test_smollm2.py",  # 144
+    "test_quant.py",  # 122
+    "test_sharding.py",  # 98
+    "test_cpu_matmul.py",  # 91
+    "test_docs.py",  # 67
+    "test_notebook.py",  # 48
+    "test_batching.py",  # 48
+    "test_sampling_and_text.py",  # 39
+    "test_model_fidelity.py",  # 37
+    "test_server_process.py",  # 34
+    "test_server.py",  # 33
+    "test_bench.py",  # 32
+    "test_smollm2_structured.py",  # 31
+    "test_compile_cache.py",  # 30
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
+
 def pytest_configure(config):
     import jax
 
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # xdist: keep the order above
 
 
 @pytest.hookimpl(hookwrapper=True)
