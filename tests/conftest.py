@@ -121,16 +121,16 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf(smollm2_path, tmp_path_factory):
-    """transformers' own float32 load of the same GGUF: the oracle. transformers
-    dequantizes every block in Python (~19 s a process), so the first of the run's
-    processes to need it saves the result (float32 safetensors, config, tokenizer) in the
-    folder the run's workers share; the other loads that (~1 s): the same tensors, bit for
-    bit. pytest removes it with the run's other temporary folders."""
+def smollm2_hf_dir(smollm2_path, tmp_path_factory):
+    """transformers' own float32 load of the SmolLM2 GGUF, saved as a Hugging Face folder
+    (float32 safetensors, config, tokenizer). transformers dequantizes every block in
+    Python (~19 s a process), so the first of the run's processes to need it saves it in
+    the folder the run's workers share, and the other loads that (~1 s): the same tensors,
+    bit for bit. pytest removes it with the run's other temporary folders."""
     import fcntl
     import shutil
 
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = tmp_path_factory.getbasetemp()
@@ -149,11 +149,22 @@ def smollm2_hf(smollm2_path, tmp_path_factory):
             tmp = run / "smollm2-hf-float32.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             model.config.save_pretrained(tmp)
-            save_model(model, str(tmp / "model.safetensors"))  # the tied embedding and LM head once
+            tensors = model.state_dict()
+            if model.config.tie_word_embeddings:  # saved once, as the embedding (as Hugging Face saves it)
+                del tensors["lm_head.weight"]
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
             tok.save_pretrained(tmp)
             tmp.rename(saved)
-    model = AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(str(saved))
+    return saved
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_hf_dir):
+    """transformers' float32 SmolLM2 and its tokenizer, from the GGUF: the oracle."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_hf_dir), dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(smollm2_hf_dir))
 
 
 def record_steps(llm) -> list[tuple[tuple[str, int, bool], ...]]:
@@ -258,9 +269,9 @@ def _on_duration(event: str, duration: float, **_) -> None:
 # under load. Only the order changes: a stale list costs time, never a test.
 LONGEST_FIRST = (
     "test_tpu_compile.py",  # 195 s
+    "test_smollm2.py",  # 144 (before test_quant, so one of them makes smollm2_hf_dir, not both at once)
     "test_attention_kernels.py",  # 172
     "test_kv_quant.py",  # 161
-    "test_smollm2.py",  # 144
     "test_quant.py",  # 122
     "test_sharding.py",  # 98
     "test_cpu_matmul.py",  # 91

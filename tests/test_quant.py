@@ -121,27 +121,6 @@ def _shapes(cfg):
     return matmul_shapes(cfg)
 
 
-@pytest.fixture(scope="module")
-def smollm2_float_dir(smollm2_path, smollm2_hf, tmp_path_factory):
-    """SmolLM2's dequantized weights as a Hugging Face directory (float32 safetensors, our
-    own GGUF reads under their Hugging Face names; config and tokenizer from transformers)."""
-    import json
-
-    from safetensors.numpy import save_file
-
-    from jaxserve.models.checkpoint import open_checkpoint
-
-    model, tok = smollm2_hf
-    path = tmp_path_factory.mktemp("smollm2-hf")
-    ckpt = open_checkpoint(smollm2_path)
-    save_file({name: np.ascontiguousarray(w) for name, w in ckpt.tensors()}, str(path / "model.safetensors"))
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    (path / "config.json").write_text(json.dumps(config))
-    tok.save_pretrained(path)
-    return path
-
-
 SMOLLM2 = dict(max_num_batched_tokens=256, max_num_seqs=8, num_pages=128, progress=False, warmup=False)
 HELD_OUT = [
     "The capital of France is",
@@ -176,10 +155,10 @@ def test_smollm2_gguf_blocks_give_the_float_models_logits(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2_float_reference(smollm2_float_dir):
+def smollm2_float_reference(smollm2_hf_dir):
     """float32 SmolLM2 and what it says of the held-out text: the Zen's mean prompt
     log-likelihood, and its greedy continuations (32 tokens) of the held-out prompts."""
-    ref = LLM(str(smollm2_float_dir), dtype="float32", **SMOLLM2)
+    ref = LLM(str(smollm2_hf_dir), dtype="float32", **SMOLLM2)
     zen = ref.encode(ZEN)
     prompts = [ref.encode(p) for p in HELD_OUT]
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -209,12 +188,12 @@ def _quality(llm, reference) -> tuple[float, int, int]:
     [{"quantization": "int8"}, {"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "float8_e4m3fn"}],
     ids=["int8-weights", "int8-kv", "fp8-kv"],
 )
-def test_smollm2_8bit_quality(smollm2_float_dir, smollm2_float_reference, options):
+def test_smollm2_8bit_quality(smollm2_hf_dir, smollm2_float_reference, options):
     """8-bit weights (per channel, from float32) or an 8-bit KV cache, against float32 on
     held-out text: mean log-likelihood of the Zen of Python within 0.04 nats per token, and
     the float model's greedy continuations predicted (teacher-forced top-1) at >= 90% of
     the positions (8 prompts x 32 tokens)."""
-    llm = LLM(str(smollm2_float_dir), dtype="float32", **options, **SMOLLM2)
+    llm = LLM(str(smollm2_hf_dir), dtype="float32", **options, **SMOLLM2)
     delta, agree, total = _quality(llm, smollm2_float_reference)
     print(f"{options}: mean log-likelihood {delta:+.4f} nats/token, agreement {agree}/{total}")
     assert abs(delta) < 0.04, delta
