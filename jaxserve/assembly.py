@@ -54,16 +54,33 @@ class EngineHandle:
     def max_model_len(self) -> int:
         return self.plan.max_model_len
 
-    def encode(self, prompt: Prompt, field: str = "prompt") -> list[int]:
+    def encode(
+        self, prompt: Prompt, field: str = "prompt", add_generation_prompt: bool = True, continue_final_message=False
+    ) -> list[int]:
         """Token ids of a text, token-id list or chat message list (template applied),
-        shorter than max_model_len; errors name ``field`` (the wire calls it token_ids.ids)."""
+        shorter than max_model_len; errors name ``field`` (the wire calls it token_ids.ids).
+        A chat ends with the assistant's header (``add_generation_prompt``), or with its
+        last message left open for the model to go on with (``continue_final_message``), or
+        neither: the turn closed."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             for i, m in enumerate(prompt):
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise RequestError(f"messages[{i}] must have string 'role' and 'content'")
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise RequestError(
+                    f"{field}: this model's tokenizer has no chat template; send the prompt as text or token ids"
+                )
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    prompt,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    tokenize=False,
+                )
+            except ValueError as e:  # continue_final_message: the last message's text is not in what it gives
+                raise RequestError(f"{field}: {str(e)[:300]}") from None
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)

@@ -16,6 +16,7 @@ import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.client import Client, wait_until_serving
+from jaxserve.errors import RequestError
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.server import SERVICE_NAME
 from tests.conftest import gated_server, rng_tokens
@@ -355,6 +356,52 @@ def test_structured_output_over_http_and_grpc(api):
         assert re.search("sampling_params.regex: .*unclosed", e.value.details(), re.S)
     offline = llm.generate(["Deep learning"], SamplingParams(max_tokens=30, temperature=1.0, seed=4, regex=regex))[0]
     assert over_grpc.text == offline.text == done.choices[0].text
+
+
+def test_an_assistant_prefill_is_continued_not_answered(api):
+    """vLLM's continue_final_message (with add_generation_prompt = false): the last message
+    stays open, so the reply goes on from the prefill, as /tokenize renders it; without it
+    the turn is closed (add_generation_prompt = false alone), and both flags at once are
+    one 400 naming the field."""
+    llm, server, addr, base, client, _ = api
+    tok = llm.handle.tokenizer
+    prefill = [*CHAT, {"role": "assistant", "content": "The capital"}]
+    open_turn = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(f"{base}/tokenize", json={"messages": prefill, **open_turn}).json()["tokens"]
+    assert tok.decode(ids).endswith("<|im_start|>assistant\nThe capital"), tok.decode(ids)
+    closed = httpx.post(f"{base}/tokenize", json={"messages": prefill, "add_generation_prompt": False}).json()
+    assert tok.decode(closed["tokens"]).endswith("<|im_start|>assistant\nThe capital<|im_end|>\n")
+    assert closed["tokens"][: len(ids)] == ids
+
+    chat = client.chat.completions.create(
+        model="tiny", messages=prefill, max_tokens=6, extra_body={**open_turn, **NO_EOS}, **GREEDY
+    )
+    offline = llm.generate([ids], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert chat.usage.prompt_tokens == len(ids) and chat.choices[0].message.content == offline.text
+
+    both = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"model": "tiny", "messages": prefill, "continue_final_message": True, "max_tokens": 2},
+    )
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message", both.text
+
+
+def test_a_chat_for_a_model_without_a_chat_template_is_one_400(api, monkeypatch):
+    """A base model's tokenizer has no chat template: a chat is a 400 naming messages (it
+    was transformers' ValueError, a 500 with a traceback), on /tokenize too, and over gRPC
+    INVALID_ARGUMENT naming chat.messages; the offline LLM raises a RequestError."""
+    llm, server, addr, base, client, _ = api
+    monkeypatch.setattr(llm.handle.tokenizer, "chat_template", None)
+    for path, body in (("/v1/chat/completions", {"max_tokens": 2}), ("/tokenize", {})):
+        r = httpx.post(f"{base}{path}", json={"model": "tiny", "messages": CHAT, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "no chat template" in r.json()["error"]["message"]
+    with Client(addr) as c, pytest.raises(grpc.RpcError) as e:
+        c.generate(CHAT, max_tokens=2)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("chat.messages: this model's tokenizer has no chat template"), e.value.details()
+    with pytest.raises(RequestError, match="no chat template"):
+        llm.generate([CHAT], SamplingParams(max_tokens=2))
 
 
 def test_tokenize_and_detokenize(api):

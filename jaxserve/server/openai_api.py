@@ -152,7 +152,8 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool = True  # vLLM's: the assistant's header after the last message
+    continue_final_message: bool = False  # vLLM's: the last message left open (an assistant prefill)
 
 
 class TokenizeRequest(_Body):
@@ -160,6 +161,8 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Body):
@@ -232,8 +235,9 @@ class OpenAIServer:
     def _token_text(self, token_id: int) -> str:
         return self.handle.tokenizer.decode([token_id])
 
-    def _encode(self, prompt, field: str) -> list[int]:
-        """Token ids of a text, id list or chat, within the server's prompt limits."""
+    def _encode(self, prompt, field: str, **chat) -> list[int]:
+        """Token ids of a text, id list or chat (``chat``: how it ends, ``EngineHandle.encode``),
+        within the server's prompt limits."""
         limits = self.limits
         if isinstance(prompt, str):
             if not prompt:
@@ -247,7 +251,7 @@ class OpenAIServer:
         elif not prompt:
             raise APIError(400, f"{field}: the prompt is empty", param=field)
         try:
-            ids = self.handle.encode(prompt, field)
+            ids = self.handle.encode(prompt, field, **chat)
         except jinja2.TemplateError as e:
             raise APIError(
                 400, f"{field}: the model's chat template refuses them: {str(e)[:300]}", param=field
@@ -435,22 +439,32 @@ class OpenAIServer:
             out.append((ids, self._params(kwargs, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, renames), echo))
         return out
 
+    def _chat_ids(self, body: ChatRequest | TokenizeRequest) -> list[int]:
+        """A chat's token ids as vLLM renders it: the assistant's header after the last
+        message (add_generation_prompt, the default); nothing after it, the turn closed
+        (add_generation_prompt = false); or the last message left open for the model to go
+        on with (continue_final_message: an assistant prefill, "Sure, here is the JSON: {")."""
+        messages = self._messages(body.messages)
+        if body.continue_final_message and body.add_generation_prompt:
+            raise APIError(
+                400,
+                "continue_final_message = true: only with add_generation_prompt = false (the last message is "
+                "continued, not answered)",
+                param="continue_final_message",
+            )
+        return self._encode(
+            messages,
+            "messages",
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+        )
+
     def _prepare_chat(self, body: ChatRequest) -> tuple[list[int], SamplingParams]:
         if body.tools:
             raise APIError(400, "tools: tool calling is not supported by this server", param="tools")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: only with logprobs = true", param="top_logprobs")
-        messages = self._messages(body.messages)
-        if body.add_generation_prompt:
-            ids = self._encode(messages, "messages")
-        else:  # continue the last message (vLLM's add_generation_prompt = false)
-            try:
-                text = self.handle.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
-            except jinja2.TemplateError as e:
-                raise APIError(
-                    400, f"messages: the model's chat template refuses them: {str(e)[:300]}", param="messages"
-                ) from None
-            ids = self._encode(self.handle.tokenizer.encode(text, add_special_tokens=False), "messages")
+        ids = self._chat_ids(body)
         kwargs, renames = self._sampling_kwargs(body)
         if body.logprobs:
             kwargs["logprobs"] = body.top_logprobs or 0
@@ -721,7 +735,7 @@ class OpenAIServer:
 
         def run():
             if body.messages is not None:
-                return self._encode(self._messages(body.messages), "messages")
+                return self._chat_ids(body)
             if not body.add_special_tokens:
                 return self._encode(self.handle.tokenizer.encode(body.prompt, add_special_tokens=False), "prompt")
             return self._encode(body.prompt, "prompt")

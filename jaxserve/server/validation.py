@@ -114,7 +114,7 @@ def prompt_ids(
         if total > max_chars:
             raise RequestError(f"chat.messages: over {max_chars} characters in all (server.max_prompt_chars)")
     try:
-        return handle.encode(messages)
+        return handle.encode(messages, "chat.messages")
     except jinja2.TemplateError as e:  # e.g. "roles must alternate user/assistant"
         raise RequestError(f"chat.messages: the model's chat template refuses them: {str(e)[:300]}") from None
 
