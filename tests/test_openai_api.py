@@ -254,6 +254,10 @@ BAD = [
     (dict(model="gpt-4"), "model", "model = 'gpt-4': this server serves 'tiny'"),
     (dict(prompt=""), "prompt", "prompt: the prompt is empty"),
     (dict(prompt=[1, 2, 999]), "prompt[2]", "prompt\\[2\\] = 999: out of range"),
+    # A union none of whose members takes the value: each named (was the first one's complaint:
+    # "prompt: Input should be a valid string" for token ids that are not integers).
+    (dict(prompt=[1.5]), "prompt", r"^prompt: must be one of str, list\[str\], list\[int\], list\[list\[int\]\]$"),
+    (dict(stop=5), "stop", r"^stop: must be one of str, list\[str\]$"),
     (
         dict(extra_body={"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}}),
         "response_format",

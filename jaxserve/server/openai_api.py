@@ -77,6 +77,16 @@ def _bad_request(e: RequestError, renames: dict[str, str] | None = None) -> APIE
 
 # --- request bodies (unknown fields are ignored, as OpenAI's API does) ---------------
 
+# A union member's tag in a pydantic error's path: "prompt.list[int].0" (prompt as token ids).
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\])$")
+
+
+def _union_field(loc) -> tuple[tuple[str, ...], str | None]:
+    """(the path before the first union member's tag, the tag) of an error's ``loc``."""
+    path = [str(x) for x in loc if x != "body"]
+    at = next((i for i, x in enumerate(path) if _UNION_MEMBER.match(x)), len(path))
+    return tuple(path[:at]), path[at] if at < len(path) else None
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -774,13 +784,15 @@ class OpenAIServer:
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request, e: RequestValidationError):
-            first = e.errors()[0] if e.errors() else {}
-            loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-            # A union's members append their type to the path ("prompt.str"): drop it.
-            loc = [x for x in loc if x not in ("str", "int", "list[int]", "list[str]", "list[list[int]]", "float")]
-            param = ".".join(loc) or None
+            errors = e.errors()
+            first = errors[0] if errors else {}
+            field, member = _union_field(first.get("loc", ()))
+            param = ".".join(field) or None
             if first.get("type") == "json_invalid":
                 message, param = "the body is not valid JSON", None
+            elif member is not None:  # a union (prompt: str | list[int] | ...) none of whose members took it
+                members = dict.fromkeys(m for f, m in (_union_field(err["loc"]) for err in errors) if f == field)
+                message = f"{param}: must be one of {', '.join(members)}"
             else:
                 message = f"{param or 'body'}: {first.get('msg', 'invalid')}"
             return self._refused("invalid_argument", APIError(400, message, param=param)).response()
