@@ -55,7 +55,11 @@ class EngineHandle:
         return self.plan.max_model_len
 
     def encode(
-        self, prompt: Prompt, field: str = "prompt", add_generation_prompt: bool = True, continue_final_message=False
+        self,
+        prompt: Prompt,
+        field: str = "prompt",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of a text, token-id list or chat message list (template applied),
         shorter than max_model_len; errors name ``field`` (the wire calls it token_ids.ids).
