@@ -54,6 +54,10 @@ class EngineHandle:
     def max_model_len(self) -> int:
         return self.plan.max_model_len
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token of the vocabulary (a piece of a character included)."""
+        return self.engine.grammars.token_bytes(token_id)
+
     def encode(
         self,
         prompt: Prompt,

@@ -166,6 +166,38 @@ def test_logprobs_match_grpc(api):
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == completion.choices[0].text
 
 
+def test_chat_logprobs_bytes_are_each_tokens_own(api):
+    """OpenAI's `bytes`: a token that is a piece of a character carries that piece (its
+    `token` text shows U+FFFD), so the pieces' bytes joined give the character."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    llm, server, addr, base, client, _ = api
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"guided_choice": ["日本"]},  # the tiny BPE knows no merge of these: a token a byte
+        **GREEDY,
+    )
+    content = chat.choices[0].logprobs.content
+    assert chat.choices[0].message.content == "日本" and len(content) == 6
+    assert all(e.token == "\ufffd" for e in content)
+    assert b"".join(bytes(e.bytes) for e in content).decode() == "日本"
+    # Every entry, chosen or not, is some token's bytes (the byte-level BPE's own table
+    # from characters back to bytes) and reads as its `token` text.
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    tok = llm.handle.tokenizer
+    special = set(tok.all_special_tokens)
+    pieces = {p.encode() if p in special else bytes(byte_of[c] for c in p) for p in tok.get_vocab()}
+    pieces.add(b"")  # the model's rows past the tokenizer's ~300 tokens: no text
+    entries = [*content, *(t for e in content for t in e.top_logprobs)]
+    assert len(entries) == 6 + 6 * 5
+    for e in entries:
+        assert bytes(e.bytes) in pieces and bytes(e.bytes).decode(errors="replace") == e.token, e
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_eval_harnesses_ask(api):
     """lm-eval's loglikelihood request over OpenAI's API: echo, logprobs, max_tokens 1 (or 0).
     The choice's logprobs cover the prompt's tokens (the first has none) then the output's:

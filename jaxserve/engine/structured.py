@@ -107,6 +107,13 @@ class GrammarCompiler:
             raise RequestError(f"sampling_params.{field}: {error[:500]}")
         return grammar
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes: for a piece of a multi-byte character, that piece (what
+        the tokenizer's decode shows as U+FFFD), so pieces joined give the character."""
+        if token_id >= len(self._hf):  # a row of the model's past its tokenizer's vocabulary
+            return b""  # decodes to "" (llguidance would name it "<[id]>")
+        return self._llg_tokenizer().decode_bytes([token_id])
+
     def constraint(self, grammar: str) -> Constraint:
         from llguidance import LLMatcher
 

@@ -245,6 +245,10 @@ class OpenAIServer:
     def _token_text(self, token_id: int) -> str:
         return self.handle.tokenizer.decode([token_id])
 
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - as _token_text
+    def _token_bytes(self, token_id: int) -> list[int]:
+        return list(self.handle.token_bytes(token_id))
+
     def _encode(self, prompt, field: str, **chat) -> list[int]:
         """Token ids of a text, id list or chat (``chat``: how it ends, ``EngineHandle.encode``),
         within the server's prompt limits."""
@@ -477,6 +481,7 @@ class OpenAIServer:
         ids = self._chat_ids(body)
         kwargs, renames = self._sampling_kwargs(body)
         if body.logprobs:
+            self.handle.token_bytes(0)  # the tokenizer's byte view built here (~0.3 s once), not on the event loop
             kwargs["logprobs"] = body.top_logprobs or 0
             if body.top_logprobs is not None:
                 renames["logprobs"] = "top_logprobs"
@@ -570,7 +575,9 @@ class OpenAIServer:
     def _chat_logprobs(self, ids: list[int], lps: list[float], tops) -> dict:
         def entry(t, lp):
             text = self._token_text(t)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            # The token's own bytes, as OpenAI's: a piece of a character shows as U+FFFD in
+            # `token` (as vLLM's), and the pieces' bytes joined give the character.
+            return {"token": text, "logprob": lp, "bytes": self._token_bytes(t)}
 
         return {
             "content": [
