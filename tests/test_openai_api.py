@@ -290,6 +290,15 @@ BAD = [
     # "prompt: Input should be a valid string" for token ids that are not integers).
     (dict(prompt=[1.5]), "prompt", r"^prompt: must be one of str, list\[str\], list\[int\], list\[list\[int\]\]$"),
     (dict(stop=5), "stop", r"^stop: must be one of str, list\[str\]$"),
+    # Types as strict as OpenAI's own API (pydantic's lax mode took true as token 1, "5" as 5).
+    (dict(prompt=[True, False]), "prompt", r"^prompt: must be one of str, list\[str\], list\[int\]"),
+    (dict(max_tokens=True), "max_tokens", "max_tokens: Input should be a valid integer"),
+    (
+        dict(extra_body={"stop_token_ids": ["7"]}),
+        "stop_token_ids[0]",
+        "stop_token_ids\\[0\\]: Input should be a valid integer",
+    ),
+    (dict(extra_body={"ignore_eos": "yes"}), "ignore_eos", "ignore_eos: Input should be a valid boolean"),
     (
         dict(extra_body={"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}}),
         "response_format",
@@ -450,6 +459,8 @@ def test_tokenize_and_detokenize(api):
     assert httpx.post(f"{base}/detokenize", json={"tokens": ids}).json()["prompt"] == "Deep learning"
     bad = httpx.post(f"{base}/detokenize", json={"tokens": [1, 10**6]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
+    bad = httpx.post(f"{base}/detokenize", json={"tokens": [1, True]})  # not token 1
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]", bad.json()
     # What lm-eval's remote tokenizer reads: the special tokens (ids by /tokenize) and the template.
     info = httpx.get(f"{base}/tokenizer_info").json()
     assert (info["eos_token"], info["bos_token"]) == ("<|im_end|>", "<|im_start|>"), info

@@ -89,7 +89,9 @@ def _union_field(loc) -> tuple[tuple[str, ...], str | None]:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict types, as OpenAI's own API: pydantic's lax mode took true as token id 1,
+    # "5" as 5 and max_tokens = true as 1. An int is still a number.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -794,7 +796,8 @@ class OpenAIServer:
             errors = e.errors()
             first = errors[0] if errors else {}
             field, member = _union_field(first.get("loc", ()))
-            param = ".".join(field) or None
+            # Our own errors' style: messages[0].content, not messages.0.content.
+            param = "".join(f"[{x}]" if x.isdigit() else f".{x}" for x in field).lstrip(".") or None
             if first.get("type") == "json_invalid":
                 message, param = "the body is not valid JSON", None
             elif member is not None:  # a union (prompt: str | list[int] | ...) none of whose members took it
