@@ -198,6 +198,28 @@ def test_chat_logprobs_bytes_are_each_tokens_own(api):
         assert bytes(e.bytes) in pieces and bytes(e.bytes).decode(errors="replace") == e.token, e
 
 
+def test_stop_reason_is_vllms_none_at_the_end_of_sequence_token(api):
+    """vLLM's stop_reason: None when the tokenizer's EOS ended the output, the id of a
+    requested stop token, the stop string; the engine's own reason names EOS too."""
+    llm, server, addr, base, client, _ = api
+    eos = llm.handle.tokenizer.eos_token_id
+    other = llm.handle.encode("Paris")[0]
+    text = llm.handle.tokenizer.decode([other])
+    forced = lambda token, **extra: dict(logit_bias={str(token): 100}, extra_body=extra)  # noqa: E731
+    for make in (client.completions.create, client.chat.completions.create):
+        for kwargs, reason in [
+            (forced(eos), None),
+            (forced(other, stop_token_ids=[other]), other),
+            (forced(other, stop=[text]), text),
+        ]:
+            prompt = dict(prompt="Deep learning") if make == client.completions.create else dict(messages=CHAT)
+            out = make(model="tiny", max_tokens=4, **prompt, **kwargs, **GREEDY)
+            choice = out.choices[0]
+            assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == reason, (kwargs, choice)
+    with Client(addr) as c:  # gRPC keeps naming the token
+        assert c.generate("Deep learning", max_tokens=4, logit_bias={eos: 100}).stop_token_id == eos
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_eval_harnesses_ask(api):
     """lm-eval's loglikelihood request over OpenAI's API: echo, logprobs, max_tokens 1 (or 0).
     The choice's logprobs cover the prompt's tokens (the first has none) then the output's:

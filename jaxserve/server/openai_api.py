@@ -564,6 +564,13 @@ class OpenAIServer:
             "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in firsts)},
         }
 
+    def _stop_reason(self, reason: int | str | None, params: SamplingParams) -> int | str | None:
+        """vLLM's stop_reason: the stop string or stop token id that ended the output, None
+        for the tokenizer's end-of-sequence token (the engine's own reason names it too)."""
+        if not params.ignore_eos and reason == self.handle.tokenizer.eos_token_id:
+            return None
+        return reason
+
     def _completion_logprobs(self, ids: list[int], lps: list[float], tops, offset: int) -> dict:
         tokens = [self._token_text(t) for t in ids]
         offsets = list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1]
@@ -638,7 +645,7 @@ class OpenAIServer:
                     offsets[i] += len(d.text)
                     if d.finish_reason is not None:
                         finals[i] = d
-                        choice["stop_reason"] = d.stop_reason
+                        choice["stop_reason"] = self._stop_reason(d.stop_reason, prepared[i // n][1])
                     if text or d.token_ids or d.finish_reason is not None:
                         yield _event({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
                 if include_usage:
@@ -663,7 +670,7 @@ class OpenAIServer:
                     )
                 elif with_logprobs:
                     choice["logprobs"] = self._completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, len(echo))
-                choice["stop_reason"] = c.final.stop_reason
+                choice["stop_reason"] = self._stop_reason(c.final.stop_reason, prepared[i // n][1])
                 if body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self._prompt_logprobs(prepared[i // n][0], c.final)
                 choices.append(choice)
@@ -720,7 +727,7 @@ class OpenAIServer:
                     "message": {"role": "assistant", "content": c.text},
                     "logprobs": None,
                     "finish_reason": c.final.finish_reason,
-                    "stop_reason": c.final.stop_reason,
+                    "stop_reason": self._stop_reason(c.final.stop_reason, params),
                 }
                 if body.logprobs:
                     choice["logprobs"] = self._chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
