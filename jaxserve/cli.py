@@ -150,10 +150,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
     config, _ = load_run_config(args.config, [], **options)  # a server: section is ignored here
-    llm = LLM(config=config, progress=not args.quiet, warmup=False)  # one prompt: compile what it needs
-    params = SamplingParams(
+    params = SamplingParams(  # checked before the model loads
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
+    llm = LLM(config=config, progress=not args.quiet, warmup=False)  # one prompt: compile what it needs
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     for delta in llm.stream(prompt, params):
         sys.stdout.write(delta)

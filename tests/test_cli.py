@@ -32,6 +32,10 @@ def test_generate_reports_bad_input_without_a_traceback(tmp_path, capsys):
     assert main(["generate", "hi", "--model", str(tmp_path / "missing"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jaxserve: error: model path") and "Traceback" not in err
+    # A bad sampling option is found before the model loads (the path is never looked at).
+    assert main(["generate", "hi", "--model", str(tmp_path / "missing"), "--temperature", "-2", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxserve: error: sampling_params.temperature = -2.0") and "Traceback" not in err, err
 
 
 def test_generate_with_yaml_config(tiny_model_dir, tmp_path, capsys):
