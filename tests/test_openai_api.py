@@ -216,6 +216,8 @@ def test_stop_reason_is_vllms_none_at_the_end_of_sequence_token(api):
             out = make(model="tiny", max_tokens=4, **prompt, **kwargs, **GREEDY)
             choice = out.choices[0]
             assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == reason, (kwargs, choice)
+            last = list(make(model="tiny", max_tokens=4, stream=True, **prompt, **kwargs, **GREEDY))[-1].choices[0]
+            assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == reason, (kwargs, last)
     with Client(addr) as c:  # gRPC keeps naming the token
         assert c.generate("Deep learning", max_tokens=4, logit_bias={eos: 100}).stop_token_id == eos
 

@@ -712,6 +712,7 @@ class OpenAIServer:
                     }
                     if d.finish_reason is not None:
                         finals[i] = d
+                        choice["stop_reason"] = self._stop_reason(d.stop_reason, params)
                     yield _event({**chunk_head, "choices": [choice], **usage_null})
                 if include_usage:
                     yield _event({**chunk_head, "choices": [], "usage": self._usage(finals, n)})
