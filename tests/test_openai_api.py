@@ -222,6 +222,25 @@ def test_stop_reason_is_vllms_none_at_the_end_of_sequence_token(api):
         assert c.generate("Deep learning", max_tokens=4, logit_bias={eos: 100}).stop_token_id == eos
 
 
+def test_null_is_a_fields_default_as_in_openais_api(api):
+    """Clients that send every field send null for those they leave unset ("n": null,
+    "stream": null, "logprobs": null): OpenAI's API reads their defaults, so does ours.
+    A required field's null stays one 400 naming it."""
+    llm, server, addr, base, client, _ = api
+    fixed = {"model": "tiny", "max_tokens": 4, "temperature": 0.0}
+    unset = dict.fromkeys(["n", "stream", "stop", "seed", "ignore_eos", "min_tokens", "skip_special_tokens"])
+    for path, body in [
+        ("completions", {"prompt": "Deep learning", "echo": None, "logprobs": None, **unset}),
+        ("chat/completions", {"messages": CHAT, "logprobs": None, "top_logprobs": None, **unset}),
+    ]:
+        plain = httpx.post(f"{base}/v1/{path}", json={**{k: v for k, v in body.items() if v is not None}, **fixed})
+        nulls = httpx.post(f"{base}/v1/{path}", json={**body, **fixed})
+        assert plain.status_code == nulls.status_code == 200, nulls.json()
+        assert nulls.json()["choices"] == plain.json()["choices"]
+    missing = httpx.post(f"{base}/v1/chat/completions", json={"messages": None})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages", missing.json()
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_eval_harnesses_ask(api):
     """lm-eval's loglikelihood request over OpenAI's API: echo, logprobs, max_tokens 1 (or 0).
     The choice's logprobs cover the prompt's tokens (the first has none) then the output's:

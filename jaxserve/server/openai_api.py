@@ -23,15 +23,16 @@ import itertools
 import json
 import re
 import time
+import types
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Union, get_args, get_origin
 
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxserve.assembly import EngineHandle
 from jaxserve.engine.async_engine import Delta, EngineStoppedError, EngineThread, QueueFullError, RequestIdInUseError
@@ -92,6 +93,28 @@ class _Body(BaseModel):
     # Strict types, as OpenAI's own API: pydantic's lax mode took true as token id 1,
     # "5" as 5 and max_tokens = true as 1. An int is still a number.
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's API takes null for every optional field as its default (clients send
+        "n": null, "stream": null, "logprobs": null); a field that cannot be None then
+        takes its default. A required field's null stays an error."""
+        if isinstance(data, dict):
+            defaulted = _not_nullable_with_default(cls)
+            data = {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        return data
+
+
+@functools.cache
+def _not_nullable_with_default(model: type[BaseModel]) -> frozenset[str]:
+    def nullable(annotation) -> bool:
+        return annotation is Any or (
+            get_origin(annotation) in (Union, types.UnionType) and type(None) in get_args(annotation)
+        )
+
+    fields = model.model_fields.items()
+    return frozenset(name for name, f in fields if not f.is_required() and not nullable(f.annotation))
 
 
 class StreamOptions(_Body):
