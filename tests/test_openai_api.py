@@ -222,6 +222,56 @@ def test_stop_reason_is_vllms_none_at_the_end_of_sequence_token(api):
         assert c.generate("Deep learning", max_tokens=4, logit_bias={eos: 100}).stop_token_id == eos
 
 
+def _sentencepiece_style_tokenizer():
+    """Llama 2's and Mistral's kind: words carry a leading "▁", unknown characters fall
+    back to <0xNN> byte tokens, and decoding strips the text's first space."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    merges = [("▁", "P"), ("▁P", "a"), ("▁Pa", "r"), ("i", "s"), ("▁Par", "is"), ("▁", "o"), ("▁o", "f")]
+    for piece in dict.fromkeys(p for pair in merges for p in (*pair, "".join(pair))):
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="<s>", unk_token="<unk>")
+
+
+def test_logprobs_tokens_add_up_to_the_text_with_a_sentencepiece_tokenizer():
+    """Each token's text is its own bytes: a SentencePiece tokenizer's decode of one token
+    drops its leading space ("▁Paris" -> "Paris"), so the tokens did not add up to the text
+    that followed the prompt."""
+    from types import SimpleNamespace
+
+    from jaxserve.engine.structured import GrammarCompiler
+    from jaxserve.server.openai_api import OpenAIServer
+
+    tok = _sentencepiece_style_tokenizer()
+    grammars = GrammarCompiler(tok, None, {tok.eos_token_id})
+    handle = SimpleNamespace(tokenizer=tok, token_bytes=grammars.token_bytes)
+    server = OpenAIServer(handle, None, "sp", ServerConfig(port=0), lambda: "serving")
+    try:
+        prompt, generated = (
+            tok.encode("Paris", add_special_tokens=False),
+            tok.encode("of Paris 日", add_special_tokens=False),
+        )
+        whole = tok.decode(prompt + generated)
+        assert whole == "Paris of Paris 日" and len(generated) == 6  # ▁of ▁Paris ▁ <0xE6> <0x97> <0xA5>
+        lps = [-1.0] * len(generated)
+        chat = server._chat_logprobs(generated, lps, [[]] * len(generated))["content"]
+        assert [e["token"] for e in chat[:3]] == [" of", " Paris", " "]
+        assert b"".join(bytes(e["bytes"]) for e in chat).decode() == whole[len("Paris") :]
+        completion = server._completion_logprobs(generated, lps, [None] * len(generated), len("Paris"))
+        assert "".join(completion["tokens"][:3]) == " of Paris "
+        assert completion["text_offset"][:3] == [5, 8, 14]
+    finally:
+        server.close()
+
+
 def test_null_is_a_fields_default_as_in_openais_api(api):
     """Clients that send every field send null for those they leave unset ("n": null,
     "stream": null, "logprobs": null): OpenAI's API reads their defaults, so does ours.

@@ -267,12 +267,21 @@ class OpenAIServer:
             raise APIError(404, f"model = {model!r}: this server serves {self.model_name!r}", param="model")
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one per server, as long-lived as it
-    def _token_text(self, token_id: int) -> str:
-        return self.handle.tokenizer.decode([token_id])
-
-    @functools.lru_cache(maxsize=65536)  # noqa: B019 - as _token_text
     def _token_bytes(self, token_id: int) -> list[int]:
         return list(self.handle.token_bytes(token_id))
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - as _token_bytes
+    def _token_text(self, token_id: int) -> str:
+        # From the token's own bytes, not the tokenizer's decode of it alone: a SentencePiece
+        # tokenizer's (Llama 2, Mistral) drops a lone token's leading space ("▁Paris" ->
+        # "Paris"), and then the tokens no longer add up to the text.
+        return bytes(self._token_bytes(token_id)).decode("utf-8", errors="replace")
+
+    def _ready_token_texts(self, kwargs: dict) -> None:
+        """With logprobs asked for: the tokenizer's byte view built now, on the worker pool
+        (~0.3 s once), not on the event loop when the first token's text is wanted."""
+        if kwargs.get("logprobs") is not None or kwargs.get("prompt_logprobs") is not None:
+            self.handle.token_bytes(0)
 
     def _encode(self, prompt, field: str, **chat) -> list[int]:
         """Token ids of a text, id list or chat (``chat``: how it ends, ``EngineHandle.encode``),
@@ -468,6 +477,7 @@ class OpenAIServer:
             kwargs["logprobs"] = body.logprobs
             if body.echo:  # as vLLM: the echoed prompt's tokens get logprobs too (eval harnesses' loglikelihood)
                 kwargs.setdefault("prompt_logprobs", body.logprobs)
+        self._ready_token_texts(kwargs)
         if body.max_tokens is not None:
             kwargs["max_tokens"] = body.max_tokens
         out = []
@@ -506,10 +516,10 @@ class OpenAIServer:
         ids = self._chat_ids(body)
         kwargs, renames = self._sampling_kwargs(body)
         if body.logprobs:
-            self.handle.token_bytes(0)  # the tokenizer's byte view built here (~0.3 s once), not on the event loop
             kwargs["logprobs"] = body.top_logprobs or 0
             if body.top_logprobs is not None:
                 renames["logprobs"] = "top_logprobs"
+        self._ready_token_texts(kwargs)
         if body.max_completion_tokens is not None:
             kwargs["max_tokens"] = body.max_completion_tokens
             renames["max_tokens"] = "max_completion_tokens"
