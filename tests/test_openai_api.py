@@ -435,6 +435,13 @@ def test_bad_chat_input_and_bodies_are_400(api):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "hi"}])
     assert e.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.BadRequestError) as e:  # each member as the client sends it, no class name
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": 5}])
+    body = e.value.body
+    assert (body["param"], body["message"]) == (
+        "messages[0].content",
+        "messages[0].content: must be one of str, list[object]",
+    )
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=-1)
     assert e.value.body["param"] == "max_completion_tokens"

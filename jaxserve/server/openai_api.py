@@ -842,7 +842,13 @@ class OpenAIServer:
             if first.get("type") == "json_invalid":
                 message, param = "the body is not valid JSON", None
             elif member is not None:  # a union (prompt: str | list[int] | ...) none of whose members took it
-                members = dict.fromkeys(m for f, m in (_union_field(err["loc"]) for err in errors) if f == field)
+                # A member of our own request types reads as what the client sends: an object
+                # (content: "list[object]", not pydantic's "list[ContentPart]").
+                members = dict.fromkeys(
+                    re.sub(r"\b[A-Z]\w*", "object", m)
+                    for f, m in (_union_field(err["loc"]) for err in errors)
+                    if f == field
+                )
                 message = f"{param}: must be one of {', '.join(members)}"
             else:
                 message = f"{param or 'body'}: {first.get('msg', 'invalid')}"
