@@ -287,7 +287,12 @@ def sample(
     # steps: the draw below is the sampler's costliest part to compile (as two branches it
     # was twice in every program).
     words = kept_words(md.blocked_ids, allowed, logits.shape[1])
-    greedy = argmax(masked(logits, words))  # the greedy rows' tokens; the sampled rows' fallback
+    # The greedy rows' tokens (the sampled rows' fallback). A step that masks nothing (no
+    # structured output, no blocked stop ids: every bit set) takes them from the raw logits:
+    # for the masked argmax XLA writes the masked [S, V] copy out before reducing it. A
+    # greedy sample step at [32, 49152] took 0.50-0.54 ms instead of 0.77-0.93 (2-core AMX
+    # Xeon); with a mask, the same as before.
+    greedy = jax.lax.cond(jnp.all(words == -1), argmax, lambda x: argmax(masked(x, words)), logits)
 
     def random(operands):
         logits, words, greedy = operands
