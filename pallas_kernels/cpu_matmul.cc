@@ -1020,6 +1020,10 @@ int64_t JaxserveRowsComputed(int64_t used, int64_t m, int64_t k, int64_t n, int 
 // How many slice shapes have had their few-row checks (FewRowsAgree) in this process.
 int64_t JaxserveFewRowsChecks() { return few_rows_checks.load(std::memory_order_relaxed); }
 
+// How many work items of the kernels' calls (matmuls, attention, norms) helpers lingering
+// after an earlier call have run in this process (cpu_threads.h).
+int64_t JaxserveLingeredItems() { return jaxserve::Post().lingered.load(std::memory_order_relaxed); }
+
 // Whether m-row calls on a [k, n] slice of bfloat16 weights run as TileMatmul (1), as
 // oneDNN's primitive (0), or failed to build (-1; JaxserveLastError says why).
 int JaxserveMatmulTiles(int64_t m, int64_t k, int64_t n) {

@@ -81,6 +81,8 @@ def _lib() -> tuple[ctypes.CDLL | None, str]:
     lib.JaxserveRowsComputed.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int]
     lib.JaxserveFewRowsChecks.restype = ctypes.c_int64
     lib.JaxserveFewRowsChecks.argtypes = []
+    lib.JaxserveLingeredItems.restype = ctypes.c_int64
+    lib.JaxserveLingeredItems.argtypes = []
     lib.JaxserveMatmulTiles.restype = ctypes.c_int
     lib.JaxserveMatmulTiles.argtypes = [ctypes.c_int64] * 3
     lib.JaxserveSwiGluPart.restype = ctypes.c_int64
@@ -268,6 +270,12 @@ def few_rows_checks() -> int:
     rows in use run alone (``rows_computed``) in this process: a model's warm-up does them
     all, so no request waits for one."""
     return int(_checked().JaxserveFewRowsChecks())
+
+
+def lingered_items() -> int:
+    """Work items of the kernels' calls that a helper thread took while it lingered after
+    an earlier call (cpu_threads.h) in this process: 0 where it never waited long enough."""
+    return int(_checked().JaxserveLingeredItems())
 
 
 def _rows_in_use(rows: jax.Array | int | None, m: int) -> jax.Array:

@@ -18,7 +18,7 @@ import pytest
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
 from jaxserve.plan import resolve_matmul
-from pallas_kernels import cpu_matmul
+from pallas_kernels import cpu_build, cpu_matmul
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available("float32"), reason="oneDNN matmul unavailable here")
 # bfloat16 weights need AVX-512 for oneDNN 3.2, or the kernel's own loop (AVX2: cpu_panels.h).
@@ -116,6 +116,35 @@ def test_a_decodes_few_rows_run_on_the_kernels_own_tiles():
     the same rows in 64-512-row calls, which oneDNN runs. Every shape above takes it."""
     for k, n in SHAPES:
         assert [cpu_matmul.uses_tiles(m, k, n) for m in (8, 9, 32, 64)] == [True, True, True, False], (k, n)
+
+
+@pytest.mark.skipif(cpu_build.threads() < 2, reason="one core: no helper threads")
+def test_a_chain_of_calls_is_helped_by_a_lingering_thread():
+    """A helper that has run out of a call's items waits briefly for the next call's work
+    (cpu_threads.h) instead of sleeping in XLA's pool, so a layer scan's chain of calls
+    finds it there; the products are the same as from calls made one at a time. Counted,
+    not timed: rounds of the chain until a lingering helper has taken some items (a loaded
+    machine may deschedule it through a round's window)."""
+    k, n, layers = 576, 576, 30
+    stack = jnp.asarray(np.stack([cpu_matmul.pack(_weight(k, n, np.float32, seed=s)) for s in range(layers)]))
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((32, k)) * 0.1, jnp.float32)
+
+    @jax.jit
+    def chain(x):
+        return jax.lax.scan(
+            lambda h, layer: (cpu_matmul.matmul(h, stack, layer, n, np.float32), None), x, jnp.arange(layers)
+        )[0]
+
+    one = jax.jit(lambda h, layer: cpu_matmul.matmul(h, stack, layer, n, np.float32))
+    want = x
+    for layer in range(layers):
+        want = one(want, layer)
+    before = cpu_matmul.lingered_items()
+    for _ in range(20):
+        np.testing.assert_array_equal(np.asarray(chain(x)), np.asarray(want))
+        if cpu_matmul.lingered_items() > before:
+            break
+    assert cpu_matmul.lingered_items() > before
 
 
 @pytest.mark.parametrize("dtype", [BF16, np.float32])
