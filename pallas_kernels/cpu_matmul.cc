@@ -49,6 +49,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -1020,9 +1021,51 @@ int64_t JaxserveRowsComputed(int64_t used, int64_t m, int64_t k, int64_t n, int 
 // How many slice shapes have had their few-row checks (FewRowsAgree) in this process.
 int64_t JaxserveFewRowsChecks() { return few_rows_checks.load(std::memory_order_relaxed); }
 
-// How many work items of the kernels' calls (matmuls, attention, norms) helpers lingering
-// after an earlier call have run in this process (cpu_threads.h).
-int64_t JaxserveLingeredItems() { return jaxserve::Post().lingered.load(std::memory_order_relaxed); }
+// Checks that a helper lingering after a call takes the next call's work (cpu_threads.h),
+// without timing anything: call 1's two items each wait until both have started, so the
+// helper scheduled for it runs one; once it lingers, call 2 (items alike) must schedule no
+// task and still have its other item run by another thread. Own threads stand in for XLA's
+// pool, lingering 1 s (a loaded machine may keep a thread off its core for a while).
+// Returns 0, or the number of the check that failed: 1 call 1's items never met, 2 no
+// helper lingered, 3 call 2 scheduled a task, 4 call 2's items never met or ran on one
+// thread.
+int JaxserveLingerCheck() {
+  struct Pool {
+    std::vector<std::thread> threads;
+    int num_threads() const { return 1; }
+    void Schedule(std::function<void()> task) { threads.emplace_back(std::move(task)); }
+    ~Pool() {
+      for (auto& t : threads) t.join();
+    }
+  };
+  using Clock = std::chrono::steady_clock;
+  // Items that each wait (up to 10 s) until both have started; records who ran them.
+  auto meet = [](std::atomic<int>& started, std::thread::id* ran) {
+    return [&started, ran](int i) {
+      ran[i] = std::this_thread::get_id();
+      started.fetch_add(1);
+      for (auto until = Clock::now() + std::chrono::seconds(10); started.load() < 2 && Clock::now() < until;) {
+        std::this_thread::yield();
+      }
+    };
+  };
+  Pool pool;
+  std::atomic<int> started1{0}, started2{0};
+  std::thread::id ran1[2], ran2[2];
+  const std::function<void(int)> first = meet(started1, ran1), second = meet(started2, ran2);
+  jaxserve::RunOnPool(pool, 2, first, std::chrono::seconds(1));
+  if (started1.load() < 2 || ran1[0] == ran1[1]) return 1;
+  jaxserve::PoolPost& post = jaxserve::Post();
+  for (auto until = Clock::now() + std::chrono::seconds(10); post.lingering.load() == 0 && Clock::now() < until;) {
+    std::this_thread::yield();
+  }
+  if (post.lingering.load() == 0) return 2;
+  const size_t tasks = pool.threads.size();
+  jaxserve::RunOnPool(pool, 2, second, std::chrono::seconds(1));
+  if (pool.threads.size() != tasks) return 3;
+  if (started2.load() < 2 || ran2[0] == ran2[1]) return 4;
+  return 0;
+}
 
 // Whether m-row calls on a [k, n] slice of bfloat16 weights run as TileMatmul (1), as
 // oneDNN's primitive (0), or failed to build (-1; JaxserveLastError says why).

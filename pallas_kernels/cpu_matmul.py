@@ -81,8 +81,8 @@ def _lib() -> tuple[ctypes.CDLL | None, str]:
     lib.JaxserveRowsComputed.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int]
     lib.JaxserveFewRowsChecks.restype = ctypes.c_int64
     lib.JaxserveFewRowsChecks.argtypes = []
-    lib.JaxserveLingeredItems.restype = ctypes.c_int64
-    lib.JaxserveLingeredItems.argtypes = []
+    lib.JaxserveLingerCheck.restype = ctypes.c_int
+    lib.JaxserveLingerCheck.argtypes = []
     lib.JaxserveMatmulTiles.restype = ctypes.c_int
     lib.JaxserveMatmulTiles.argtypes = [ctypes.c_int64] * 3
     lib.JaxserveSwiGluPart.restype = ctypes.c_int64
@@ -272,10 +272,10 @@ def few_rows_checks() -> int:
     return int(_checked().JaxserveFewRowsChecks())
 
 
-def lingered_items() -> int:
-    """Work items of the kernels' calls that a helper thread took while it lingered after
-    an earlier call (cpu_threads.h) in this process: 0 where it never waited long enough."""
-    return int(_checked().JaxserveLingeredItems())
+def linger_check() -> int:
+    """The kernel library's own check that a helper thread lingering after a call takes the
+    next call's work (cpu_threads.h): 0, or the number of the step that failed."""
+    return int(_checked().JaxserveLingerCheck())
 
 
 def _rows_in_use(rows: jax.Array | int | None, m: int) -> jax.Array:

@@ -63,7 +63,6 @@ struct PoolPost {
   std::shared_ptr<PoolWork> work;
   std::atomic<uint64_t> generation{0};
   std::atomic<int> lingering{0};  // helpers polling for the next call
-  std::atomic<int64_t> lingered{0};  // items lingering helpers took (for the tests)
 };
 
 inline PoolPost& Post() {
@@ -78,7 +77,7 @@ inline void TakePosted(PoolPost& post) {
     std::lock_guard<std::mutex> lock(post.mu);
     work = post.work;
   }
-  if (work) post.lingered.fetch_add(work->Take(), std::memory_order_relaxed);
+  if (work) work->Take();
 }
 
 // How long a helper that has finished its items waits, spinning, for the next call's work
@@ -88,9 +87,11 @@ inline void TakePosted(PoolPost& post) {
 constexpr auto kLinger = std::chrono::microseconds(200);
 
 // Runs fn(0), ..., fn(n - 1) on the calling thread and on up to n - 1 helpers (lingering
-// ones, else tasks scheduled on `pool`), and returns when all have run.
+// ones, else tasks scheduled on `pool`, which then linger `linger`), and returns when all
+// have run.
 template <typename Pool>
-void RunOnPool(Pool& pool, int n, const std::function<void(int)>& fn) {
+void RunOnPool(Pool& pool, int n, const std::function<void(int)>& fn,
+               std::chrono::steady_clock::duration linger = kLinger) {
   if (n <= 1) {
     for (int i = 0; i < n; ++i) fn(i);
     return;
@@ -104,7 +105,9 @@ void RunOnPool(Pool& pool, int n, const std::function<void(int)>& fn) {
     std::lock_guard<std::mutex> lock(post.mu);
     post.work = work;
   }
-  post.generation.fetch_add(1, std::memory_order_acq_rel);
+  // Sequentially consistent, as the helper's side below: a helper this call counts among
+  // the lingering either takes its work or is still lingering when it is posted.
+  post.generation.fetch_add(1, std::memory_order_seq_cst);
   // No more threads than cores: XLA may run this call on a thread outside its pool (then
   // all of the pool's threads could join the caller) or on one of them, and a third thread
   // on a 2-core machine only time-slices the other two (and spins in the pool's wait
@@ -112,20 +115,20 @@ void RunOnPool(Pool& pool, int n, const std::function<void(int)>& fn) {
   // AMX Xeon, AMX on and off, 6 interleaved pairs); offline batches within run-to-run drift.
   // Helpers already lingering take the posted work without a task of their own.
   const int helpers = std::min({static_cast<int>(pool.num_threads()), Threads() - 1, n - 1}) -
-                      post.lingering.load(std::memory_order_acquire);
+                      post.lingering.load(std::memory_order_seq_cst);
   for (int h = 0; h < helpers; ++h) {
-    pool.Schedule([work] {
+    pool.Schedule([work, linger] {
       work->Take();
       PoolPost& post = Post();
       post.lingering.fetch_add(1, std::memory_order_acq_rel);
       uint64_t seen = post.generation.load(std::memory_order_acquire);
-      auto until = std::chrono::steady_clock::now() + kLinger;
+      auto until = std::chrono::steady_clock::now() + linger;
       for (int spins = 0;; ++spins) {
         const uint64_t now = post.generation.load(std::memory_order_acquire);
         if (now != seen) {
           seen = now;
           TakePosted(post);
-          until = std::chrono::steady_clock::now() + kLinger;
+          until = std::chrono::steady_clock::now() + linger;
           continue;
         }
 #if defined(__x86_64__) || defined(__i386__)
@@ -133,9 +136,9 @@ void RunOnPool(Pool& pool, int n, const std::function<void(int)>& fn) {
 #endif
         if (spins % 64 == 0 && std::chrono::steady_clock::now() > until) break;
       }
-      post.lingering.fetch_sub(1, std::memory_order_acq_rel);
+      post.lingering.fetch_sub(1, std::memory_order_seq_cst);
       // A call posted as this helper stopped may have counted on it: take its work.
-      if (post.generation.load(std::memory_order_acquire) != seen) TakePosted(post);
+      if (post.generation.load(std::memory_order_seq_cst) != seen) TakePosted(post);
     });
   }
   work->Take();
