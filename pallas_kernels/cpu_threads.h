@@ -44,14 +44,12 @@ struct PoolWork {
   const std::function<void(int)>* fn = nullptr;
   int n = 0;
 
-  // Runs items until none is left; returns how many this thread ran.
-  int Take() {
-    int taken = 0;
-    for (int i; (i = next.fetch_add(1, std::memory_order_acq_rel)) < n; ++taken) {
+  // Runs items until none is left.
+  void Take() {
+    for (int i; (i = next.fetch_add(1, std::memory_order_acq_rel)) < n;) {
       (*fn)(i);
       pending.fetch_sub(1, std::memory_order_acq_rel);
     }
-    return taken;
   }
 };
 
@@ -120,8 +118,11 @@ void RunOnPool(Pool& pool, int n, const std::function<void(int)>& fn,
     pool.Schedule([work, linger] {
       work->Take();
       PoolPost& post = Post();
-      post.lingering.fetch_add(1, std::memory_order_acq_rel);
-      uint64_t seen = post.generation.load(std::memory_order_acquire);
+      post.lingering.fetch_add(1, std::memory_order_seq_cst);
+      // A call may have been posted, and have counted this helper, before `seen` is read:
+      // its work is the newest, so take what is left of that once.
+      uint64_t seen = post.generation.load(std::memory_order_seq_cst);
+      TakePosted(post);
       auto until = std::chrono::steady_clock::now() + linger;
       for (int spins = 0;; ++spins) {
         const uint64_t now = post.generation.load(std::memory_order_acquire);
