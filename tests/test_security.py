@@ -4,6 +4,7 @@ do not parse, per-client limits, one client's long streams not starving another.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -213,13 +214,14 @@ def test_gauges_are_exact_after_a_cancel_storm(tiny_model_dir):
     with tiny_server(tiny_model_dir("llama3")[0], cfg, max_num_seqs=4, num_pages=120) as (llm, server, addr):
         with Client(addr) as c:
             before = c.server_stats()
-            streams = [c.stream([5, 6, 7 + i] * 20, max_tokens=800, **GREEDY) for i in range(24)]
-            for s in streams[:4]:
-                next(s)  # running; the rest wait
-            for _ in range(1200):  # every call has reached the engine (a cancel before that is no abort)
-                if server.engine_thread.num_active == 24:
-                    break
-                time.sleep(0.05)
+            # The engine is held between steps until all 24 calls have reached it: calls on one
+            # channel may arrive in any order, and a first wave that finished while the last
+            # calls were still arriving (800 steps) would leave nothing to cancel.
+            with _engine_held(server.engine_thread):
+                streams = [c.stream([5, 6, 7 + i] * 20, max_tokens=800, **GREEDY) for i in range(24)]
+                _wait_for(lambda: server.engine_thread.num_active == 24, "all 24 calls in the engine's queue")
+            stats = _wait_for_stats(c, lambda s: s.requests_running == 4, "4 running")
+            assert stats.requests_waiting == 20  # and the rest wait
             for s in streams:
                 s.cancel()
             stats = _settled_stats(c)
@@ -230,6 +232,37 @@ def test_gauges_are_exact_after_a_cancel_storm(tiny_model_dir):
             aborted = stats.requests_aborted["cancelled"] - before.requests_aborted["cancelled"]
             assert aborted == 24
             server.engine_thread.call(lambda e: e.scheduler.check_integrity())
+
+
+@contextlib.contextmanager
+def _engine_held(engine_thread):
+    """Keeps the engine thread inside a call (between steps: commands queue up) for the block."""
+    entered, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=engine_thread.call, args=(lambda e: (entered.set(), release.wait(120)),))
+    holder.start()
+    try:
+        assert entered.wait(60), "the engine thread never took the call"
+        yield
+    finally:
+        release.set()
+        holder.join()
+
+
+def _wait_for(condition, what: str) -> None:
+    for _ in range(1200):
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"waited 60 s for {what}")
+
+
+def _wait_for_stats(client: Client, condition, what: str) -> pb.ServerStats:
+    for _ in range(1200):
+        stats = client.server_stats()
+        if condition(stats):
+            return stats
+        time.sleep(0.05)
+    raise AssertionError(f"waited 60 s for {what}: {stats}")
 
 
 def _drain(stream) -> None:
