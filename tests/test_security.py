@@ -238,7 +238,9 @@ def test_gauges_are_exact_after_a_cancel_storm(tiny_model_dir):
 def _engine_held(engine_thread):
     """Keeps the engine thread inside a call (between steps: commands queue up) for the block."""
     entered, release = threading.Event(), threading.Event()
-    holder = threading.Thread(target=engine_thread.call, args=(lambda e: (entered.set(), release.wait(120)),))
+    holder = threading.Thread(
+        target=engine_thread.call, args=(lambda e: (entered.set(), release.wait(120)),), kwargs={"timeout": None}
+    )
     holder.start()
     try:
         assert entered.wait(60), "the engine thread never took the call"
