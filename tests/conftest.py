@@ -228,6 +228,25 @@ def gated_server(path, config, name: str = "tiny"):
 
 
 @contextlib.contextmanager
+def engine_held(engine_thread):
+    """Keeps a server's engine thread inside a call for the block: between steps, so nothing
+    steps and the commands that arrive meanwhile (adds, aborts) queue up behind it."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+    holder = threading.Thread(
+        target=engine_thread.call, args=(lambda e: (entered.set(), release.wait(120)),), kwargs={"timeout": None}
+    )
+    holder.start()
+    try:
+        assert entered.wait(60), "the engine thread never took the call"
+        yield
+    finally:
+        release.set()
+        holder.join()
+
+
+@contextlib.contextmanager
 def tiny_server(path, server_config=None, **llm_options):
     """A real gRPC server over a tiny model on a free loopback port: (llm, server, address)."""
     from jaxserve import LLM

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
 import time
 
 import grpc
@@ -19,7 +18,7 @@ from jaxserve.client import Client, wait_until_serving
 from jaxserve.errors import RequestError
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.server import SERVICE_NAME
-from tests.conftest import gated_server, rng_tokens
+from tests.conftest import engine_held, gated_server, rng_tokens
 
 GREEDY = dict(temperature=0.0)
 NO_EOS = {"ignore_eos": True}  # vLLM's extra, through extra_body
@@ -597,15 +596,8 @@ def test_a_disconnected_stream_or_call_frees_its_pages(api):
     # Not streaming: the client gives up (a read timeout) before the request can finish
     # (the engine thread is held between steps until then), and goes away.
     before = server.engine_thread.aborted["cancelled"]
-    release = threading.Event()
-    held = threading.Thread(target=server.engine_thread.call, args=(lambda engine: release.wait(60),))
-    held.start()
-    try:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
-    finally:
-        release.set()
-        held.join()
+    with engine_held(server.engine_thread), pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
     _wait_until_idle(llm, server)
     assert server.engine_thread.aborted["cancelled"] == before + 1
     assert llm.stats()["kv_pages_held"] == 0

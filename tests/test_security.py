@@ -4,7 +4,6 @@ do not parse, per-client limits, one client's long streams not starving another.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 
@@ -18,7 +17,7 @@ from jaxserve.server.config import ServerConfig
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.server import Server, ServerHandle
 from tests.certs import make_pki
-from tests.conftest import tiny_server
+from tests.conftest import engine_held, tiny_server
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdef0"
@@ -201,12 +200,9 @@ def test_per_client_limits(served_plain):
 
 def _settled_stats(client: Client) -> pb.ServerStats:
     """Stats once the cancels have reached the engine (they act at a step boundary)."""
-    for _ in range(600):
-        stats = client.server_stats()
-        if stats.requests_running == 0 and stats.requests_waiting == 0:
-            return stats
-        time.sleep(0.05)
-    raise AssertionError(f"requests still in flight: {stats}")
+    return _wait_for_stats(
+        client, lambda s: s.requests_running == 0 and s.requests_waiting == 0, "requests still in flight", seconds=30
+    )
 
 
 def test_gauges_are_exact_after_a_cancel_storm(tiny_model_dir):
@@ -217,7 +213,7 @@ def test_gauges_are_exact_after_a_cancel_storm(tiny_model_dir):
             # The engine is held between steps until all 24 calls have reached it: calls on one
             # channel may arrive in any order, and a first wave that finished while the last
             # calls were still arriving (800 steps) would leave nothing to cancel.
-            with _engine_held(server.engine_thread):
+            with engine_held(server.engine_thread):
                 streams = [c.stream([5, 6, 7 + i] * 20, max_tokens=800, **GREEDY) for i in range(24)]
                 _wait_for(lambda: server.engine_thread.num_active == 24, "all 24 calls in the engine's queue")
             stats = _wait_for_stats(c, lambda s: s.requests_running == 4, "4 running")
@@ -234,22 +230,6 @@ def test_gauges_are_exact_after_a_cancel_storm(tiny_model_dir):
             server.engine_thread.call(lambda e: e.scheduler.check_integrity())
 
 
-@contextlib.contextmanager
-def _engine_held(engine_thread):
-    """Keeps the engine thread inside a call (between steps: commands queue up) for the block."""
-    entered, release = threading.Event(), threading.Event()
-    holder = threading.Thread(
-        target=engine_thread.call, args=(lambda e: (entered.set(), release.wait(120)),), kwargs={"timeout": None}
-    )
-    holder.start()
-    try:
-        assert entered.wait(60), "the engine thread never took the call"
-        yield
-    finally:
-        release.set()
-        holder.join()
-
-
 def _wait_for(condition, what: str) -> None:
     for _ in range(1200):
         if condition():
@@ -258,13 +238,13 @@ def _wait_for(condition, what: str) -> None:
     raise AssertionError(f"waited 60 s for {what}")
 
 
-def _wait_for_stats(client: Client, condition, what: str) -> pb.ServerStats:
-    for _ in range(1200):
+def _wait_for_stats(client: Client, condition, what: str, seconds: float = 60) -> pb.ServerStats:
+    for _ in range(round(seconds / 0.05)):
         stats = client.server_stats()
         if condition(stats):
             return stats
         time.sleep(0.05)
-    raise AssertionError(f"waited 60 s for {what}: {stats}")
+    raise AssertionError(f"waited {seconds:g} s for {what}: {stats}")
 
 
 def _drain(stream) -> None:
