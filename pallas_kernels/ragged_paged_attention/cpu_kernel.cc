@@ -1152,10 +1152,14 @@ class AmxTileRunner {
       for (int32_t g = g_hi + 1; g <= to / 32 * 2 + 1; ++g) zero(g);
     }
 
-    LoadValues(t, base, blocks, jlo, jhi);
-
     // 3. Output: per 16 rows and 16 of head_dim, sum over blocks of 32 positions, in
     // ascending order, of p_hi.V + p_lo.V; four accumulators (64 of head_dim) at a time.
+    // A tile of one block of rows (a decode) packs each block's values just before its
+    // products, into a buffer that stays in the first-level cache; packed all at once
+    // (~36 KB at head_dim 64), they had left for the second level before the products
+    // read them, and the packing's stores took ~25% of a 32-sequence decode's attention.
+    const bool block_by_block = padded == 16;
+    if (!block_by_block) LoadValues(t, base, blocks, jlo, jhi);
     acc_.resize(static_cast<size_t>(padded) * D);
     const int64_t columns = D / 16;
     for (int r0 = 0; r0 < rows; r0 += 16) {
@@ -1170,9 +1174,10 @@ class AmxTileRunner {
         // loaded while the one before still runs; every accumulator still adds its
         // block's hi then lo product, block by block.
         for (int32_t b = from / 32; b <= to / 32; ++b) {
+          if (block_by_block) PackValues(t, base + b * 32, jlo, jhi, c0 * 16, n, block_.data());
+          const uint16_t* v = block_by_block ? block_.data() : &values_[(b * columns + c0) * 512];
           _tile_loadd(4, &p_hi_[r0 * width + b * 32], width * 2);
           _tile_loadd(5, &p_lo_[r0 * width + b * 32], width * 2);
-          const uint16_t* v = &values_[(b * columns + c0) * 512];
           _tile_loadd(6, v, 64);
           _tile_dpbf16ps(0, 4, 6);
           _tile_loadd(7, v + 512, 64);
@@ -1292,34 +1297,37 @@ class AmxTileRunner {
     }
   }
 
-  // values_[block of 32 positions][head_dim / 16][16 pair rows][16 dimensions][2]: the
-  // right operand of p . V, row k holding positions 2k, 2k + 1 of each dimension. Per 32
-  // of head_dim, an even and an odd row's words are interleaved within 128-bit lanes
-  // (vpunpcklwd / vpunpckhwd, a third of the instructions of widening each and merging),
-  // which leaves column 2h with dimensions 32h + {0-3, 8-11, 16-19, 24-27} and column
-  // 2h + 1 with the others: the output's columns come out in that order and Unpermute
-  // puts them back. A column's products and their order are the same in any order of
-  // columns. The packing had taken ~20% of a 32-sequence decode's attention.
-  void LoadValues(const Tile& t, int32_t base, int32_t blocks, int32_t jlo, int32_t jhi) {
-    const int64_t D = pb_.head_dim, columns = D / 16;
-    const int64_t plane = pb_.num_kv_heads + t.kv_head;
-    values_.resize(static_cast<size_t>(blocks) * columns * 512);
-    uint16_t* out = values_.data();  // not values_[...] in the loop: a vector store may alias the vector
+  // The right operand of p . V for the 32 positions from `first` and `columns` (an even
+  // number) of 16 dimensions from dimension d0, into out[column][16 pair rows][16
+  // dimensions][2]: row k holds positions 2k, 2k + 1 of each dimension. Per 32 dimensions,
+  // an even and an odd position's words are interleaved within 128-bit lanes (vpunpcklwd /
+  // vpunpckhwd: a third of the instructions of widening each and merging), which leaves
+  // column 2h with dimensions d0 + 32h + {0-3, 8-11, 16-19, 24-27} and column 2h + 1 with
+  // the others: the output's columns come out in that order and Unpermute puts them back.
+  // A column's products and their order are the same in any order of columns.
+  void PackValues(const Tile& t, int32_t first, int32_t jlo, int32_t jhi, int64_t d0, int64_t columns,
+                  uint16_t* out) const {
+    const uint16_t* v[32];
+    PlaneRows(pb_, t.seq, pb_.num_kv_heads + t.kv_head, first, 32, jlo, jhi, v);
     const __m512i zero = _mm512_setzero_si512();
-    for (int32_t b = 0; b < blocks; ++b) {
-      const uint16_t* v[32];
-      PlaneRows(pb_, t.seq, plane, base + b * 32, 32, jlo, jhi, v);
-      for (int k = 0; k < 16; ++k) {
-        const uint16_t *even = v[2 * k], *odd = v[2 * k + 1];
-        for (int64_t h = 0; h < columns / 2; ++h) {
-          const __m512i e = even ? _mm512_loadu_si512(even + h * 32) : zero;
-          const __m512i o = odd ? _mm512_loadu_si512(odd + h * 32) : zero;
-          uint16_t* dst = out + ((b * columns + 2 * h) * 16 + k) * 32;
-          _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(e, o));
-          _mm512_storeu_si512(dst + 512, _mm512_unpackhi_epi16(e, o));
-        }
+    for (int k = 0; k < 16; ++k) {
+      const uint16_t *even = v[2 * k], *odd = v[2 * k + 1];
+      for (int64_t h = 0; h < columns / 2; ++h) {
+        const __m512i e = even ? _mm512_loadu_si512(even + d0 + h * 32) : zero;
+        const __m512i o = odd ? _mm512_loadu_si512(odd + d0 + h * 32) : zero;
+        uint16_t* dst = out + (2 * h * 16 + k) * 32;
+        _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(e, o));
+        _mm512_storeu_si512(dst + 512, _mm512_unpackhi_epi16(e, o));
       }
     }
+  }
+
+  // values_[block of 32 positions][head_dim / 16][16 pair rows][16 dimensions][2]: every
+  // block's PackValues.
+  void LoadValues(const Tile& t, int32_t base, int32_t blocks, int32_t jlo, int32_t jhi) {
+    const int64_t columns = pb_.head_dim / 16;
+    values_.resize(static_cast<size_t>(blocks) * columns * 512);
+    for (int32_t b = 0; b < blocks; ++b) PackValues(t, base + b * 32, jlo, jhi, 0, columns, &values_[b * columns * 512]);
   }
 
   // A row of the p . V product (D floats, columns in LoadValues' order) in order.
@@ -1337,6 +1345,7 @@ class AmxTileRunner {
   std::vector<int32_t> pos_, lo_;
   std::vector<uint16_t> q_hi_, q_lo_, p_hi_, p_lo_, keys_, values_;
   std::vector<uint16_t> q_t_ = std::vector<uint16_t>(4 * 512);  // q^T as hi, lo per 32 of head_dim
+  std::vector<uint16_t> block_ = std::vector<uint16_t>(4 * 512);  // PackValues of 4 columns
   std::vector<float> scores_, denom_, acc_;
 };
 #endif  // JAXSERVE_HAVE_AMX
