@@ -1330,7 +1330,7 @@ class AmxTileRunner {
     for (int32_t b = 0; b < blocks; ++b) PackValues(t, base + b * 32, jlo, jhi, 0, columns, &values_[b * columns * 512]);
   }
 
-  // A row of the p . V product (D floats, columns in LoadValues' order) in order.
+  // A row of the p . V product (D floats, its columns in PackValues' order) put in order.
   static void Unpermute(float* acc, int64_t D) {
     const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
