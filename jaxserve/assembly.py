@@ -144,6 +144,7 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
         schedule_policy=cfg.schedule_policy,
         lpm_aging_steps=cfg.lpm_aging_steps,
         min_token_bucket=plan.runner.min_token_bucket,
+        max_mixed_batched_tokens=cfg.max_mixed_batched_tokens,
     )
     engine = Engine(runner, scheduler, tokenizer, eos, overlap=cfg.overlap_scheduling)
     return EngineHandle(cfg, plan, mcfg, tokenizer, engine, quant)

@@ -159,6 +159,15 @@ class EngineConfig:
     max_num_batched_tokens: int = option(
         256, "Tokens per step (the chunked-prefill budget); also the largest token bucket.", at_least(1)
     )
+    max_mixed_batched_tokens: int | None = option(
+        None,
+        "Tokens per step when the step also decodes (null: max_num_batched_tokens). A prefill chunk makes "
+        "that step, and so one inter-token gap of every running stream, longer: this bounds the gap while "
+        "a step with nothing to decode (a lone prompt, a burst of arrivals) still takes max_num_batched_tokens. "
+        "Also a token bucket. From max_num_seqs (room for a prefill token beside a full batch of decodes) "
+        "up to max_num_batched_tokens.",
+        at_least(1),
+    )
     max_num_seqs: int = option(32, "Sequences per step; also the largest sequence bucket.", at_least(1))
     min_token_bucket: int | None = option(
         None,
@@ -223,6 +232,12 @@ class EngineConfig:
             raise ConfigError(
                 f"min_token_bucket = {self.min_token_bucket}: must be at most max_num_batched_tokens "
                 f"({self.max_num_batched_tokens})"
+            )
+        mixed = self.max_mixed_batched_tokens
+        if mixed is not None and not self.max_num_seqs <= mixed <= self.max_num_batched_tokens:
+            raise ConfigError(
+                f"max_mixed_batched_tokens = {mixed}: must be from max_num_seqs ({self.max_num_seqs}) to "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}), or null"
             )
         try:
             MeshConfig.from_option(self.mesh)

@@ -225,6 +225,7 @@ def resolve_plan(
         # buckets would only add programs to compile (and load at every start). XLA:CPU's
         # dots pay per row: 2 rows there.
         min_seq_bucket=2 if platform == "cpu" and matmul != "onednn" else 8,
+        max_mixed_batched_tokens=cfg.max_mixed_batched_tokens,
         attention_backend=backend,
         kv_cache_dtype=kv_dtype,
         warmup_scoring=cfg.warmup_scoring,

@@ -146,6 +146,12 @@ def test_unknown_alias():
             "attention_backend = 'cuda': must be one of auto, reference, pallas_tpu, pallas_gpu",
         ),
         ({"page_sizes": 16}, "unknown engine option.*page_sizes.*allowed:.*page_size"),
+        (
+            {"max_mixed_batched_tokens": 16},
+            r"max_mixed_batched_tokens = 16: must be from max_num_seqs \(32\) to max_num_batched_tokens \(256\)",
+        ),
+        ({"max_mixed_batched_tokens": 512}, r"max_mixed_batched_tokens = 512: must be from .* \(256\), or null"),
+        ({"max_mixed_batched_tokens": 0}, "max_mixed_batched_tokens = 0: must be an integer >= 1"),
     ],
 )
 def test_bad_engine_options(options, message):

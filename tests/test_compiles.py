@@ -27,6 +27,7 @@ def warm_llm(tiny_model_dir):
         num_pages=40,
         max_num_seqs=8,
         max_num_batched_tokens=64,
+        max_mixed_batched_tokens=48,  # steps that decode: their own token bucket, warmed too
         warmup_scoring=True,  # prompt_logprobs below: their scoring steps are warmed too
         progress=False,
     )  # warmed up at construction
@@ -79,13 +80,27 @@ def test_no_compile_after_warmup_for_any_request_mix(warm_llm, mix, shared_prefi
     assert llm.stats()["kv_pages_held"] == 0
 
 
-@pytest.mark.parametrize("budget, seqs, smallest", [(256, 32, 8), (64, 16, 1), (20, 24, 8), (512, 32, 64), (8, 2, 8)])
-def test_warm_up_covers_exactly_the_bucket_pairs_a_step_can_hit(budget, seqs, smallest):
+@pytest.mark.parametrize(
+    "budget, seqs, smallest, mixed",
+    [
+        (256, 32, 8, None),
+        (64, 16, 1, None),
+        (20, 24, 8, None),
+        (512, 32, 64, None),
+        (8, 2, 8, None),
+        (512, 32, 8, 192),
+        (512, 32, 64, 32),
+        (256, 32, 8, 128),
+    ],
+)
+def test_warm_up_covers_exactly_the_bucket_pairs_a_step_can_hit(budget, seqs, smallest, mixed):
     from jaxserve.runner.batch import pack, pick_bucket
     from jaxserve.runner.model_runner import RunnerConfig, bucket_seqs
 
-    cfg = RunnerConfig(16, 40, 600, budget, seqs, min_token_bucket=smallest)
+    cfg = RunnerConfig(16, 40, 600, budget, seqs, min_token_bucket=smallest, max_mixed_batched_tokens=mixed)
     tokens, seq_buckets = cfg.buckets
+    if mixed is not None:  # a step that decodes (at most `mixed` tokens) pads to no more than that
+        assert pick_bucket(tokens, mixed) == max(mixed, smallest)
     reachable = {
         (pick_bucket(tokens, n), pick_bucket(seq_buckets, k))
         for n in range(1, budget + 1)

@@ -100,6 +100,37 @@ def test_long_prompt_is_chunked_while_decodes_continue():
     assert steps_with_long >= 200 // 13  # at most 16 - 3 prefill tokens per step
 
 
+def test_a_step_that_decodes_takes_the_mixed_budget_a_lone_prompt_the_whole():
+    sched = Scheduler(
+        KVManager(400, 4, prefix_caching=False),
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        max_model_len=256,
+        max_mixed_batched_tokens=12,
+    )
+    first = _request(0, 40, 50)
+    sched.add(first)
+    out = sched.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("r0", 32)]  # nothing decodes: all 32
+    sched.update(out, [1] * out.num_rows)
+    out = sched.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("r0", 8)]  # the prompt's rest
+    sched.update(out, [1] * out.num_rows)
+    second, third = _request(1, 30, 5), _request(2, 30, 5)
+    sched.add(second)
+    sched.add(third)
+    sizes = []
+    while second.status is RequestStatus.WAITING or not third.is_prefill_done:
+        out = sched.schedule()
+        sched.check_integrity()
+        assert out.num_decode_tokens >= 1  # r0 decodes in every one of these steps
+        sizes.append(out.num_decode_tokens + out.num_prefill_tokens)
+        sched.update(out, [1] * out.num_rows)
+    # 60 prompt tokens beside one decode (r0), then two (r1 too), 12 tokens a step:
+    # 11 + 11 + (8 + 3) prompt tokens, then 10 + 10 + the last 7
+    assert sizes == [12, 12, 12, 12, 12, 9]
+
+
 def test_preemption_when_pages_run_out():
     # 12 usable pages of 4 tokens; each request may need up to ceil((10+30)/4) = 10 pages.
     sched = Scheduler(

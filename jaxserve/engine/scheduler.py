@@ -4,7 +4,10 @@ Every step:
   1. decodes first: each running request past its prefill gets one token;
   2. then prefill chunks: running requests still prefilling, then waiting ones, each
      taking ``min(tokens left, budget left)``, until ``max_num_batched_tokens`` or
-     ``max_num_seqs`` is reached. Several chunks may share a step with the decodes.
+     ``max_num_seqs`` is reached. Several chunks may share a step with the decodes. A
+     step that decodes has the smaller budget ``max_mixed_batched_tokens`` when set: its
+     length is an inter-token gap of every running stream (Sarathi-Serve's token budget),
+     while a step with nothing to decode (a lone prompt) still takes the whole budget.
 Pages come from the KV manager (``kv_manager.py``), the only code that touches them: as
 tokens are scheduled, and back whole when a request ends. When pages run out, it evicts
 unreferenced cached prefixes first; then the most recently admitted running request is
@@ -116,15 +119,19 @@ class Scheduler:
         schedule_policy: str = "fcfs",
         lpm_aging_steps: int = 64,
         min_token_bucket: int = 1,
+        max_mixed_batched_tokens: int | None = None,
     ):
         """``min_token_bucket``: the runner's smallest token bucket. A step's sequences
-        (twins included) never outnumber its tokens padded to it: the shapes compiled."""
+        (twins included) never outnumber its tokens padded to it: the shapes compiled.
+        ``max_mixed_batched_tokens``: the budget of a step that decodes (None: the same);
+        at least ``max_num_seqs``, so a prefill always has room beside the decodes."""
         if schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy {schedule_policy!r} is not one of: {', '.join(SCHEDULE_POLICIES)}")
         self.kv = kv
         self.schedule_policy = schedule_policy
         self.lpm_aging_steps = lpm_aging_steps
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_mixed_batched_tokens = max_mixed_batched_tokens or max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.min_token_bucket = min_token_bucket
@@ -306,7 +313,8 @@ class Scheduler:
             self.kv.expire_leases()
 
         def budget() -> int:
-            return self.max_num_batched_tokens - out.num_decode_tokens - out.num_prefill_tokens
+            limit = self.max_mixed_batched_tokens if out.num_decode_tokens else self.max_num_batched_tokens
+            return max(0, limit - out.num_decode_tokens - out.num_prefill_tokens)
 
         self._reclaim_slot(out)
 

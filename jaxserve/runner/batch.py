@@ -24,10 +24,16 @@ MIN_TOKEN_BUCKET = 8
 
 
 def make_buckets(
-    max_num_batched_tokens: int, max_num_seqs: int, min_token_bucket: int = MIN_TOKEN_BUCKET, min_seq_bucket: int = 2
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    min_token_bucket: int = MIN_TOKEN_BUCKET,
+    min_seq_bucket: int = 2,
+    max_mixed_batched_tokens: int | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Token buckets (powers of two from ``min_token_bucket``, then the max) and sequence
-    buckets (likewise from ``min_seq_bucket``).
+    """Token buckets (powers of two from ``min_token_bucket``, then the max, and
+    ``max_mixed_batched_tokens``: the size of every step that decodes beside a prefill
+    chunk, padded to no more than itself) and sequence buckets (likewise from
+    ``min_seq_bucket``).
 
     On CPU sequence buckets start at 2 (XLA:CPU's Eigen dots rounded a one-row LM head
     differently; its YNNPACK dots do not, so 2 now only saves a program). Accelerators
@@ -42,9 +48,10 @@ def make_buckets(
             b *= 2
         return out + [hi]
 
-    return powers(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens), powers(
-        min(min_seq_bucket, max_num_seqs), max_num_seqs
-    )
+    tokens = powers(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens)
+    if max_mixed_batched_tokens is not None:
+        tokens = sorted({*tokens, max(max_mixed_batched_tokens, tokens[0])})
+    return tokens, powers(min(min_seq_bucket, max_num_seqs), max_num_seqs)
 
 
 def pick_bucket(buckets: list[int], n: int) -> int:

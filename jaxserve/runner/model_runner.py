@@ -62,6 +62,7 @@ class RunnerConfig:
     max_num_seqs: int
     min_token_bucket: int = MIN_TOKEN_BUCKET
     min_seq_bucket: int = 2
+    max_mixed_batched_tokens: int | None = None  # one more token bucket (EngineConfig's option)
     attention_backend: AttentionBackend = REFERENCE
     kv_cache_dtype: str | None = None  # None: the activation dtype
     warmup_scoring: bool = False  # compile_ahead also compiles the prompt-scoring forwards
@@ -73,7 +74,13 @@ class RunnerConfig:
     @property
     def buckets(self) -> tuple[list[int], list[int]]:
         """(token buckets, sequence buckets): the shapes the step is compiled for."""
-        return make_buckets(self.max_num_batched_tokens, self.max_num_seqs, self.min_token_bucket, self.min_seq_bucket)
+        return make_buckets(
+            self.max_num_batched_tokens,
+            self.max_num_seqs,
+            self.min_token_bucket,
+            self.min_seq_bucket,
+            self.max_mixed_batched_tokens,
+        )
 
     @property
     def bucket_pairs(self) -> list[tuple[int, int]]:
