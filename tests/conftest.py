@@ -227,6 +227,21 @@ def gated_server(path, config, name: str = "tiny"):
         handle.stop()
 
 
+def wait_until(condition, what: str, seconds: float = 60, detail=None):
+    """Polls ``condition()`` until it returns something truthy, and returns that. After
+    ``seconds`` the test fails naming ``what`` (and ``detail()``, if given): a server that
+    never gets there fails the test instead of hanging it. The only timing in these tests;
+    what they assert are counts."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {seconds:g} s for {what}" + (f": {detail()}" if detail else ""))
+        time.sleep(0.01)
+    return value
+
+
 @contextlib.contextmanager
 def engine_held(engine_thread):
     """Keeps a server's engine thread inside a call for the block: between steps, so nothing

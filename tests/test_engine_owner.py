@@ -4,7 +4,6 @@ and a second thread that tries to drive an engine someone else drives gets a cle
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -12,7 +11,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.client import Client
 from jaxserve.engine.engine import EngineBusyError
 from jaxserve.server.config import ServerConfig
-from tests.conftest import rng_tokens, serve_llm
+from tests.conftest import rng_tokens, serve_llm, wait_until
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 OPTIONS = dict(dtype="float32", page_size=16, num_pages=300, max_num_seqs=8, max_num_batched_tokens=64)
@@ -144,10 +143,7 @@ def test_a_failed_warmup_ends_waiting_offline_calls(tiny_model_dir):
     thread = EngineThread(llm.engine)
     thread.start(failing_warmup)
     t, errors = _in_thread(lambda: llm.generate([[1, 2, 3]], GREEDY))
-    deadline = time.monotonic() + 60
-    while thread.num_waiting == 0:  # the call is queued behind warm-up
-        assert time.monotonic() < deadline, "the offline call never reached the engine thread"
-        time.sleep(0.01)
+    wait_until(lambda: thread.num_waiting, "the offline call to queue behind warm-up on the engine thread")
     gate.set()
     with pytest.raises(RuntimeError, match="simulated compile failure"):
         thread.wait_ready()

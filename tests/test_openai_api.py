@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 
 import grpc
 import httpx
@@ -18,7 +17,7 @@ from jaxserve.client import Client, wait_until_serving
 from jaxserve.errors import RequestError
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.server import SERVICE_NAME
-from tests.conftest import engine_held, gated_server, rng_tokens
+from tests.conftest import engine_held, gated_server, rng_tokens, wait_until
 
 GREEDY = dict(temperature=0.0)
 NO_EOS = {"ignore_eos": True}  # vLLM's extra, through extra_body
@@ -30,8 +29,7 @@ def api(tiny_model_dir):
     path, _ = tiny_model_dir("llama3")
     cfg = ServerConfig(port=0, http_port=0, metrics_port=None, max_waiting_requests=64)
     with gated_server(path, cfg) as (llm, server, port, open_gate):
-        while server.http_port is None:
-            time.sleep(0.01)
+        wait_until(lambda: server.http_port is not None, "the HTTP API's port")
         base = f"http://127.0.0.1:{server.http_port}"
         warming = (
             httpx.get(f"{base}/health"),
@@ -571,11 +569,9 @@ def test_tokenize_and_detokenize(api):
     assert eos["tokens"] == [llm.handle.tokenizer.eos_token_id]
 
 
-def _wait_until_idle(llm, server, timeout: float = 60) -> None:
-    deadline = time.time() + timeout
-    while server.engine_thread.num_active or llm.stats()["kv_pages_held"]:
-        assert time.time() < deadline, llm.stats()
-        time.sleep(0.02)
+def _wait_until_idle(llm, server) -> None:
+    idle = lambda: not server.engine_thread.num_active and not llm.stats()["kv_pages_held"]  # noqa: E731
+    wait_until(idle, "no request in the engine and no page held", detail=llm.stats)
 
 
 def test_a_disconnected_stream_or_call_frees_its_pages(api):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import grpc
 import pytest
@@ -15,7 +14,7 @@ from jaxserve.client import Client, build_request, wait_until_serving
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.server import SERVICE_NAME
-from tests.conftest import gated_server, rng_tokens, tiny_server
+from tests.conftest import gated_server, rng_tokens, tiny_server, wait_until
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -133,11 +132,7 @@ def _check_cancellation(server, addr) -> None:
         e.scheduler.check_integrity()
         return [engine.abort_delay_steps.get(i) for i in ids], e.stats()["kv_pages_held"]
 
-    deadline = time.time() + 60
-    while (seen := engine.call(settled)) is None:
-        assert time.time() < deadline
-        time.sleep(0.01)
-    delays, pages_held = seen
+    delays, pages_held = wait_until(lambda: engine.call(settled), "the cancelled requests to finish")
     # Once the server sees a cancellation, the engine ends the request within two steps
     # (how fast a client's cancel reaches the server is the network's business).
     assert None not in delays and max(delays) <= 2, delays
@@ -292,10 +287,8 @@ def test_deadline_aborts_the_request_and_frees_its_pages(served):
         with pytest.raises(grpc.RpcError) as err:
             c.stub.Generate(build_request([9, 9, 9], request_id="deadline-1", max_tokens=900, **GREEDY), timeout=0.3)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    deadline = time.time() + 30
-    while server.engine_thread.num_active or llm.stats()["requests_running"]:
-        assert time.time() < deadline, "the request kept generating after its deadline"
-        time.sleep(0.01)
+    stopped = lambda: not server.engine_thread.num_active and not llm.stats()["requests_running"]  # noqa: E731
+    wait_until(stopped, "the request to end after its deadline", 30)
     assert llm.stats()["decode_tokens"] - before < 900  # stopped early, not run to max_tokens
     assert llm.stats()["kv_pages_held"] == 0
 
