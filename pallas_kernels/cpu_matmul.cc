@@ -330,9 +330,16 @@ void TileMatmul(const uint16_t* x, const uint16_t* w, float* dst, int64_t m, int
 bool TileMatchesOneDnn(const Entry& e);
 #endif
 
-// One primitive per (rows, K, column slice width, weight type), built on first use.
+std::atomic<int64_t> primitives_built{0};  // Primitive's entries made (for the tests)
+
+// One primitive per (rows, K, column slice width, weight type), built on first use: oneDNN
+// generates its code then, and an AMX tile entry checks its bits (TileMatchesOneDnn). A
+// step that first computes some row count waits for it: 20-45 ms more for a 16- or
+// 24-sequence decode of SmolLM2 on a 2-core AMX Xeon (the LM head's check dominates), so
+// the model's warm-up runs decode steps of 8, 16, 24 and 32 sequences.
 std::shared_ptr<const Entry> Primitive(int64_t m, int64_t k, int64_t n, bool f32) {
   return Cached(std::make_tuple(m, k, n, f32), [&]() -> std::shared_ptr<const Entry> {
+    primitives_built.fetch_add(1, std::memory_order_relaxed);
     auto entry = std::make_shared<Entry>();
     entry->rows = m;
     entry->k = k;
@@ -1020,6 +1027,9 @@ int64_t JaxserveRowsComputed(int64_t used, int64_t m, int64_t k, int64_t n, int 
 
 // How many slice shapes have had their few-row checks (FewRowsAgree) in this process.
 int64_t JaxserveFewRowsChecks() { return few_rows_checks.load(std::memory_order_relaxed); }
+
+// How many primitives (row count, slice shape, weight type) this process has built.
+int64_t JaxservePrimitivesBuilt() { return primitives_built.load(std::memory_order_relaxed); }
 
 // Checks that a helper lingering after a call takes the next call's work (cpu_threads.h),
 // without timing anything: call 1's two items each wait until both have started, so the

@@ -81,6 +81,8 @@ def _lib() -> tuple[ctypes.CDLL | None, str]:
     lib.JaxserveRowsComputed.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int]
     lib.JaxserveFewRowsChecks.restype = ctypes.c_int64
     lib.JaxserveFewRowsChecks.argtypes = []
+    lib.JaxservePrimitivesBuilt.restype = ctypes.c_int64
+    lib.JaxservePrimitivesBuilt.argtypes = []
     lib.JaxserveLingerCheck.restype = ctypes.c_int
     lib.JaxserveLingerCheck.argtypes = []
     lib.JaxserveMatmulTiles.restype = ctypes.c_int
@@ -270,6 +272,13 @@ def few_rows_checks() -> int:
     rows in use run alone (``rows_computed``) in this process: a model's warm-up does them
     all, so no request waits for one."""
     return int(_checked().JaxserveFewRowsChecks())
+
+
+def primitives_built() -> int:
+    """How many of the kernel's primitives (one per row count computed, slice shape and
+    weight dtype, built on a call's first use of them) this process has built: a model's
+    warm-up builds those of every decode step, so no request waits for one."""
+    return int(_checked().JaxservePrimitivesBuilt())
 
 
 def linger_check() -> int:

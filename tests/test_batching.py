@@ -197,6 +197,43 @@ def test_warmup_does_the_matmul_kernels_few_row_checks(tiny_model_dir):
         assert warm >= 4 and after == warm, child.stdout  # qkv, o, gate|up, down and the head: all at warm-up
 
 
+def test_warmup_builds_the_matmul_primitives_of_decodes_and_mixed_steps(tiny_model_dir):
+    """The CPU matmul kernel builds a primitive per row count on its first use of it (and
+    on AMX checks its tile loop's bits up to 32 rows): 20-45 ms that a server's first 16-
+    or 24-sequence decode used to wait for. After warm-up, decodes of 9 to 32 sequences
+    and a step of ``max_mixed_batched_tokens`` beside decodes build none. In a child
+    process: the primitives are kept per process."""
+    if not cpu_matmul.available("bfloat16"):
+        pytest.skip("no oneDNN matmul on this CPU")
+    path, _ = tiny_model_dir("llama3")
+    script = (
+        "import sys\n"
+        "from jaxserve import LLM, SamplingParams\n"
+        "from pallas_kernels import cpu_matmul\n"
+        "llm = LLM(sys.argv[1], dtype='float32', weight_dtype='bfloat16', page_size=16, max_num_seqs=32,"
+        " max_num_batched_tokens=64, max_mixed_batched_tokens=48, num_pages=800, progress=False,"
+        " enable_prefix_caching=False)\n"
+        "assert llm.plan.matmul == 'onednn'\n"
+        "warm = cpu_matmul.primitives_built()\n"
+        "p = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)\n"
+        "for n in (12, 20, 29):\n"  # 16, 24 and 32 rows: prompt steps and decodes
+        "    llm.generate([[5 + i] for i in range(n)], p)\n"
+        # 1 + 63 tokens (no decode: the whole budget), then 2 decodes + 46 = 48, the mixed budget
+        "llm.generate([[5], [6] * 63, [7] * 47], p)\n"
+        "print(warm, cpu_matmul.primitives_built())\n"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", script, str(path)],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    warm, after = map(int, child.stdout.split()[-2:])
+    assert warm > 0 and after == warm, child.stdout
+
+
 @pytest.mark.parametrize(
     "options, bitwise",
     [

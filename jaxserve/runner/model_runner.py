@@ -544,11 +544,23 @@ class ModelRunner:
         its temporaries fails at start-up rather than on the first full batch, and a
         one-token step: the CPU matmul kernel checks on a shape's first call with fewer
         than 8 rows in use whether they can run alone (cpu_matmul.rows_computed; ~55 ms
-        for SmolLM2 on a 2-core Xeon), which the first request would otherwise wait for."""
+        for SmolLM2 on a 2-core Xeon), which the first request would otherwise wait for.
+        Then decode steps of 8, 16, 24 and 32 sequences (up to ``max_num_seqs``) and one of
+        ``max_mixed_batched_tokens``: that kernel builds a primitive per row count on its
+        first use (~8 ms a row count for SmolLM2's layers), and on AMX checks the
+        bits of its tile loop for up to 32 rows (cpu_matmul.primitives_built): a server's
+        first 16- or 24-sequence decode had waited 20-45 ms for it (SmolLM2, 2-core Xeon),
+        one of the slowest inter-token gaps of a 16-stream benchmark."""
         self.compile_ahead(progress)
         t, s = self.cfg.bucket_pairs[-1]
         self.execute(bucket_seqs(self.cfg, t, s), greedy(s))
         self.execute(bucket_seqs(self.cfg, 1, 1), greedy(1))
+        most = min(self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
+        for s in sorted({min(rows, most) for rows in (8, 16, 24, 32)}):  # 12 at most: 16 rows
+            self.execute(bucket_seqs(self.cfg, s, s), greedy(s))
+        if self.cfg.max_mixed_batched_tokens is not None:  # the size of most steps beside decodes
+            t = self.cfg.max_mixed_batched_tokens
+            self.execute(bucket_seqs(self.cfg, t, min(t, self.cfg.max_num_seqs)), greedy(min(t, self.cfg.max_num_seqs)))
 
     def compile_ahead(self, progress: bool = True) -> None:
         """Compiles (or loads from the program store) the model for every (token bucket,
