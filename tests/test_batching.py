@@ -160,6 +160,21 @@ def test_the_packed_lm_head_computes_the_sequences_rows_only(tiny_model_dir, dty
     np.testing.assert_array_equal(ours[1:used], every[1:used])
 
 
+def _warm_and_after(script: str, path) -> tuple[int, int, str]:
+    """Runs ``script`` (argv[1]: the model) in a child process, whose last line prints two
+    counts of the kernel's per-process state: at warm-up's end, and after the workload."""
+    child = subprocess.run(
+        [sys.executable, "-c", script, str(path)],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    warm, after = map(int, child.stdout.split()[-2:])
+    return warm, after, child.stdout
+
+
 def test_warmup_does_the_matmul_kernels_few_row_checks(tiny_model_dir):
     """oneDNN's kernel decides per slice shape, on its first call with fewer than 8 rows in
     use, whether they can run alone (cpu_matmul.rows_computed); the warm-up's one-token
@@ -182,19 +197,11 @@ def test_warmup_does_the_matmul_kernels_few_row_checks(tiny_model_dir):
         "llm.generate([[5], [6, 7], [8, 9, 10]], p)\n"
         "print(warm, cpu_matmul.few_rows_checks())\n"
     )
-    child = subprocess.run(
-        [sys.executable, "-c", script, str(path)],
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert child.returncode == 0, child.stderr[-3000:]
-    warm, after = map(int, child.stdout.split()[-2:])
+    warm, after, stdout = _warm_and_after(script, path)
     if cpu_matmul.own_loop("float32"):
-        assert warm == after == 0, child.stdout  # the kernel's own loop: any row count, nothing to check
+        assert warm == after == 0, stdout  # the kernel's own loop: any row count, nothing to check
     else:
-        assert warm >= 4 and after == warm, child.stdout  # qkv, o, gate|up, down and the head: all at warm-up
+        assert warm >= 4 and after == warm, stdout  # qkv, o, gate|up, down and the head: all at warm-up
 
 
 def test_warmup_builds_the_matmul_primitives_of_decodes_and_mixed_steps(tiny_model_dir):
@@ -222,16 +229,8 @@ def test_warmup_builds_the_matmul_primitives_of_decodes_and_mixed_steps(tiny_mod
         "llm.generate([[5], [6] * 63, [7] * 47], p)\n"
         "print(warm, cpu_matmul.primitives_built())\n"
     )
-    child = subprocess.run(
-        [sys.executable, "-c", script, str(path)],
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert child.returncode == 0, child.stderr[-3000:]
-    warm, after = map(int, child.stdout.split()[-2:])
-    assert warm > 0 and after == warm, child.stdout
+    warm, after, stdout = _warm_and_after(script, path)
+    assert warm > 0 and after == warm, stdout
 
 
 @pytest.mark.parametrize(
