@@ -161,10 +161,12 @@ def test_the_packed_lm_head_computes_the_sequences_rows_only(tiny_model_dir, dty
 
 
 def _warm_and_after(script: str, path) -> tuple[int, int, str]:
-    """Runs ``script`` (argv[1]: the model) in a child process, whose last line prints two
-    counts of the kernel's per-process state: at warm-up's end, and after the workload."""
+    """Runs ``script`` (argv[1]: the model; LLM, SamplingParams and cpu_matmul imported) in a
+    child process, whose last line prints two counts of the kernel's per-process state: at
+    warm-up's end, and after the workload."""
+    imports = "import sys\nfrom jaxserve import LLM, SamplingParams\nfrom pallas_kernels import cpu_matmul\n"
     child = subprocess.run(
-        [sys.executable, "-c", script, str(path)],
+        [sys.executable, "-c", imports + script, str(path)],
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
         capture_output=True,
         text=True,
@@ -185,9 +187,6 @@ def test_warmup_does_the_matmul_kernels_few_row_checks(tiny_model_dir):
         pytest.skip("no oneDNN matmul on this CPU")
     path, _ = tiny_model_dir("llama3")
     script = (
-        "import sys\n"
-        "from jaxserve import LLM, SamplingParams\n"
-        "from pallas_kernels import cpu_matmul\n"
         "llm = LLM(sys.argv[1], dtype='float32', page_size=16, max_num_seqs=16, max_num_batched_tokens=64,"
         " num_pages=800, progress=False, enable_prefix_caching=False)\n"  # the module's: its programs are stored
         "assert llm.plan.matmul == 'onednn'\n"
@@ -214,9 +213,6 @@ def test_warmup_builds_the_matmul_primitives_of_decodes_and_mixed_steps(tiny_mod
         pytest.skip("no oneDNN matmul on this CPU")
     path, _ = tiny_model_dir("llama3")
     script = (
-        "import sys\n"
-        "from jaxserve import LLM, SamplingParams\n"
-        "from pallas_kernels import cpu_matmul\n"
         "llm = LLM(sys.argv[1], dtype='float32', weight_dtype='bfloat16', page_size=16, max_num_seqs=32,"
         " max_num_batched_tokens=64, max_mixed_batched_tokens=48, num_pages=800, progress=False,"
         " enable_prefix_caching=False)\n"
