@@ -334,9 +334,9 @@ std::atomic<int64_t> primitives_built{0};  // Primitive's entries made (for the 
 
 // One primitive per (rows, K, column slice width, weight type), built on first use: oneDNN
 // generates its code then, and an AMX tile entry checks its bits (TileMatchesOneDnn). A
-// step that first computes some row count waits for it: 20-45 ms more for a 16- or
-// 24-sequence decode of SmolLM2 on a 2-core AMX Xeon (the LM head's check dominates), so
-// the model's warm-up runs decode steps of 8, 16, 24 and 32 sequences.
+// step that first computes some row count waits for it: a 16- or 24-sequence decode of
+// SmolLM2 on a 2-core AMX Xeon took 20-45 ms more the first time, a 136-token step ~10
+// ms, so the model's warm-up runs decode steps of 8, 16, 24 and 32 sequences.
 std::shared_ptr<const Entry> Primitive(int64_t m, int64_t k, int64_t n, bool f32) {
   return Cached(std::make_tuple(m, k, n, f32), [&]() -> std::shared_ptr<const Entry> {
     primitives_built.fetch_add(1, std::memory_order_relaxed);
