@@ -26,6 +26,7 @@ import grpc
 from jaxserve.client import build_request
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
+from tests.conftest import wait_until
 
 KINDS = ("complete", "stream", "cancel", "deadline", "disconnect", "self_abort", "bad")
 BUSY = {grpc.StatusCode.RESOURCE_EXHAUSTED}  # a full queue is an honest answer under load
@@ -149,17 +150,14 @@ async def soak(addr: str, seconds: float, rate: float, vocab: int, max_tokens: i
 
 def wait_idle(server, timeout: float = 120) -> dict:
     """The engine thread's figures once no request runs or waits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def idle():
         snap = server.engine_thread.snapshot
-        if (
-            snap.get("requests_running") == 0
-            and snap.get("requests_waiting") == 0
-            and not server.engine_thread.num_active
-        ):
-            return snap
-        time.sleep(0.05)
-    raise AssertionError(f"requests still in flight after the soak: {server.engine_thread.snapshot}")
+        quiet = snap.get("requests_running") == 0 and snap.get("requests_waiting") == 0
+        return snap if quiet and not server.engine_thread.num_active else None
+
+    detail = lambda: server.engine_thread.snapshot  # noqa: E731
+    return wait_until(idle, "no request in flight after the soak", timeout, detail=detail)
 
 
 def check_every_step(server) -> list[str]:
