@@ -560,7 +560,8 @@ class ModelRunner:
             self.execute(bucket_seqs(self.cfg, s, s), greedy(s))
         if self.cfg.max_mixed_batched_tokens is not None:  # the size of most steps beside decodes
             t = self.cfg.max_mixed_batched_tokens
-            self.execute(bucket_seqs(self.cfg, t, min(t, self.cfg.max_num_seqs)), greedy(min(t, self.cfg.max_num_seqs)))
+            s = min(t, self.cfg.max_num_seqs)
+            self.execute(bucket_seqs(self.cfg, t, s), greedy(s))
 
     def compile_ahead(self, progress: bool = True) -> None:
         """Compiles (or loads from the program store) the model for every (token bucket,
