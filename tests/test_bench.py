@@ -168,11 +168,20 @@ def test_bench_offline_rows_agree_on_greedy_outputs(tiny_model_dir, capsys):
     assert "output tok/s" in printed and "cpu: " in printed and "command: jaxserve bench offline" in printed
     # each row's wall time per step against its own step inputs replayed with no host work
     assert len(re.findall(r"per step [\d.]+ ms against [\d.]+ device-only \([+-][\d.]+%, overlap on\)", printed)) == 3
-    assert main([*args, "--variant", "fcfs-4:max_num_seqs=4", "--temperature", "1", "--top-p", "0.9"]) == 0
+    # --repeat: each row runs twice on its engine, each run as cold as the first (prefix
+    # cache emptied) and with the same (seeded) outputs
+    sampled_args = [*args, "--variant", "fcfs-4:max_num_seqs=4", "--temperature", "1", "--top-p", "0.9"]
+    assert main([*sampled_args, "--repeat", "2"]) == 0
     printed = capsys.readouterr().out
     sampled = _digests(printed)
     assert set(sampled) == {"config", "fcfs-4"} and len(set(sampled.values())) == 1, printed
     assert set(sampled.values()) != digests and "(temperature 1.0, top-p 0.9)" in printed
+    each = r"^  [\w-]+: (\d+) steps.*the median of 2 runs, each per step against its replay: (.*)$"
+    repeats = re.findall(each, printed, re.M)
+    assert len(repeats) == 2 and "OUTPUTS DIFFER" not in printed, printed
+    for steps, runs in repeats:
+        each = re.findall(r"(\d+) steps (\d+) tokens [\d.]+ / [\d.]+ ms \([+-][\d.]+%\)", runs)
+        assert len(each) == 2 and each[0] == each[1] and each[0][0] == steps, printed
 
 
 def test_bench_latency_and_prefix_cache_report(tiny_model_dir, capsys):

@@ -22,6 +22,12 @@ commits), and the wall time per step against the device-only time: the run's own
 inputs replayed back to back with no host work between them. Their difference is the
 host time not hidden behind the device (``overlap_scheduling``); the host's own work per
 step (schedule, pack, update) and the time spent waiting for the device are printed too.
+
+``--repeat N`` runs each engine row's workload N times on the same engine (its prefix
+cache emptied before each run), each run followed by its own replay, and reports the
+median run: on a machine whose speed drifts by 20-40% for seconds at a time (shared VMs),
+one run against one replay a few seconds later measures the drift as often as the host.
+Every run's figure is printed; a run whose outputs differ from the first's is reported.
 """
 
 from __future__ import annotations
@@ -44,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static", action="store_true", help="add the config in static batching")
     p.add_argument("--hf-batch", default=None, help="comma-separated transformers batch sizes, each a row")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--repeat",
+        type=at_least(1),
+        default=1,
+        help="runs of the workload per engine row, each against its own replay; the row reports the median",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
     p.add_argument(
@@ -72,43 +84,66 @@ def sampling(work, temperature: float = 0.0, top_p: float = 1.0, regex: str | No
     ]  # fmt: skip
 
 
-def run_engine(cfg, work, params, static: bool, quiet: bool) -> tuple[float, int, str]:
-    """Runs the workload (``params``: each request's SamplingParams) on a fresh engine;
-    returns (seconds, output tokens, profile line)."""
+def run_engine(cfg, work, params, static: bool, quiet: bool, repeat: int = 1) -> tuple[float, int, str]:
+    """Runs the workload (``params``: each request's SamplingParams) ``repeat`` times on a
+    fresh engine; returns (seconds of the median run, output tokens, profile line)."""
     from jaxserve import LLM
 
     llm = LLM(config=cfg, progress=not quiet)  # warmed up: the workload alone is timed
     compiles = llm.stats()["num_compiles"]
-    llm.runner.timings = dict.fromkeys(llm.runner.timings, 0.0)  # the workload only
-    llm.runner.recording = recorded = []
-    batch = cfg.max_num_seqs if static else len(work)
-    outputs = []
-    t0 = time.perf_counter()
-    for i in range(0, len(work), batch):
-        pairs = zip(work[i : i + batch], params[i : i + batch], strict=True)
-        reqs = [llm.engine.add_request(ids, p) for (ids, _), p in pairs]
-        while llm.engine.has_unfinished():
-            llm.engine.step()
-        outputs += [r.output_token_ids for r in reqs]
-    elapsed = time.perf_counter() - t0
-    llm.runner.recording = None
-    constrained = any(p.regex is not None for p in params)  # may end early, when the regex is complete
-    if not constrained and [len(o) for o in outputs] != [m for _, m in work]:
-        raise RuntimeError("a request did not produce its output length")
-    stats, eng, run = llm.stats(), llm.engine.timings, llm.runner.timings
-    steps = stats["steps"]
-    device_only = llm.runner.replay(recorded)
+    runs = []  # per run: (seconds, device-only seconds, steps, tokens, engine and runner timings, digest)
+    produced = 0
+    for _ in range(repeat):
+        llm.kv.clear_cache()  # a run finds none of the last one's prefixes
+        llm.runner.timings = dict.fromkeys(llm.runner.timings, 0.0)  # this run only
+        llm.engine.timings = dict.fromkeys(llm.engine.timings, 0.0)
+        llm.runner.input_bytes = 0
+        steps_before = llm.stats()["steps"]
+        llm.runner.recording = recorded = []
+        batch = cfg.max_num_seqs if static else len(work)
+        outputs = []
+        t0 = time.perf_counter()
+        for i in range(0, len(work), batch):
+            pairs = zip(work[i : i + batch], params[i : i + batch], strict=True)
+            reqs = [llm.engine.add_request(ids, p) for (ids, _), p in pairs]
+            while llm.engine.has_unfinished():
+                llm.engine.step()
+            outputs += [r.output_token_ids for r in reqs]
+        elapsed = time.perf_counter() - t0
+        llm.runner.recording = None
+        constrained = any(p.regex is not None for p in params)  # may end early, when the regex is complete
+        if not constrained and [len(o) for o in outputs] != [m for _, m in work]:
+            raise RuntimeError("a request did not produce its output length")
+        steps = llm.stats()["steps"] - steps_before
+        timings = (dict(llm.engine.timings), dict(llm.runner.timings), llm.runner.input_bytes)
+        tokens = sum(int(inputs[0].query_start_loc[-1]) for inputs in recorded)  # computed, padding not counted
+        device_only = llm.runner.replay(recorded)
+        digest = hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:12]
+        runs.append((elapsed, device_only, steps, tokens, timings, digest))
+        produced = sum(len(o) for o in outputs)
+    elapsed, device_only, steps, _, (eng, run, input_bytes), digest = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
     host = eng["schedule_s"] + eng["update_s"]  # pack_s is inside schedule_s
-    digest = hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:12]
     ms = 1e3 / steps
     profile = (
-        f"{steps} steps, compiles after warm-up {stats['num_compiles'] - compiles}, outputs {digest}; per step "
+        f"{steps} steps, compiles after warm-up {llm.stats()['num_compiles'] - compiles}, outputs {digest}; per step "
         f"{elapsed * ms:.1f} ms against {device_only * ms:.1f} device-only ({100 * (elapsed / device_only - 1):+.1f}%, "
         f"overlap {'on' if llm.engine.overlap else 'off'}); host work {host * ms:.2f} ms (schedule + pack "
         f"{eng['schedule_s'] * ms:.2f} of which pack and send {run['pack_s'] * ms:.2f}, update {eng['update_s'] * ms:.2f}), "
-        f"waiting on the device {run['device_s'] * ms:.1f} ms; step inputs {llm.runner.input_bytes / steps / 1e3:.1f} kB"
+        f"waiting on the device {run['device_s'] * ms:.1f} ms; step inputs {input_bytes / steps / 1e3:.1f} kB"
     )
-    return elapsed, sum(len(o) for o in outputs), profile
+    if repeat > 1:
+        each = ", ".join(
+            f"{n} steps {t} tokens {1e3 * e / n:.1f} / {1e3 * d / n:.1f} ms ({100 * (e / d - 1):+.1f}%)"
+            for e, d, n, t, _, _ in runs
+        )
+        differences = sorted(100 * (e / d - 1) for e, d, *_ in runs)
+        profile += (
+            f"; the median of {repeat} runs, each per step against its replay: {each}; "
+            f"median difference {differences[len(differences) // 2]:+.1f}%"
+        )
+        if len({r[-1] for r in runs}) > 1:
+            profile += f"; OUTPUTS DIFFER between runs: {', '.join(r[-1] for r in runs)}"
+    return elapsed, produced, profile
 
 
 def run_hf(model_path, work, batch: int) -> float:
@@ -169,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
     )
     seconds, produced = {}, {}
     for name, cfg, static, regex in rows:
-        seconds[name], produced[name], profile = run_engine(cfg, work, params[regex], static, args.quiet)
+        seconds[name], produced[name], profile = run_engine(cfg, work, params[regex], static, args.quiet, args.repeat)
         print(f"  {name}: {profile}", flush=True)
     for batch in [int(b) for b in args.hf_batch.split(",")] if args.hf_batch else []:
         seconds[f"transformers float32, batch {batch}"] = run_hf(model_path, work, batch)
