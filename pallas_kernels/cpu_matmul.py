@@ -83,6 +83,8 @@ def _lib() -> tuple[ctypes.CDLL | None, str]:
     lib.JaxserveFewRowsChecks.argtypes = []
     lib.JaxservePrimitivesBuilt.restype = ctypes.c_int64
     lib.JaxservePrimitivesBuilt.argtypes = []
+    lib.JaxserveLayoutQueries.restype = ctypes.c_int64
+    lib.JaxserveLayoutQueries.argtypes = []
     lib.JaxserveLingerCheck.restype = ctypes.c_int
     lib.JaxserveLingerCheck.argtypes = []
     lib.JaxserveMatmulTiles.restype = ctypes.c_int
@@ -279,6 +281,12 @@ def primitives_built() -> int:
     weight dtype, built on a call's first use of them) this process has built: a model's
     warm-up builds those of every decode step, so no request waits for one."""
     return int(_checked().JaxservePrimitivesBuilt())
+
+
+def layout_queries() -> int:
+    """How many times this process has asked oneDNN for a packed layout (a matmul
+    descriptor built, ~10 us each): a shape's first calls do, later ones reuse the answer."""
+    return int(_checked().JaxserveLayoutQueries())
 
 
 def linger_check() -> int:

@@ -118,6 +118,26 @@ def test_a_decodes_few_rows_run_on_the_kernels_own_tiles():
         assert [cpu_matmul.uses_tiles(m, k, n) for m in (8, 9, 32, 64)] == [True, True, True, False], (k, n)
 
 
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+def test_a_shapes_later_calls_ask_onednn_nothing(dtype):
+    """A call's layout questions (a matmul descriptor built each, ~10 us: a third of a small
+    decode call when every call asked) are answered once per shape: later calls of the
+    matmul and SwiGLU kernels, decode- and prefill-sized, ask none."""
+    k, n = 96, 64
+    packed = jnp.asarray(cpu_matmul.pack(_weight(k, n, dtype))[None])
+    gate_up = jnp.asarray(cpu_matmul.pack_swiglu(_weight(k, n, dtype), _weight(k, n, dtype, seed=1))[None])
+    calls = jax.jit(
+        lambda x: (cpu_matmul.matmul(x, packed, 0, n, dtype), cpu_matmul.swiglu(x, gate_up, 0, n, dtype)),
+    )
+    xs = [jnp.asarray(np.ones((m, k), dtype)) for m in (8, 32, 512)]
+    for x in xs:
+        jax.block_until_ready(calls(x))
+    asked = cpu_matmul.layout_queries()
+    for x in xs * 3:
+        jax.block_until_ready(calls(x))
+    assert cpu_matmul.layout_queries() == asked
+
+
 @pytest.mark.skipif(cpu_build.threads() < 2, reason="one core: no helper threads")
 def test_a_helper_lingers_for_the_next_calls_work():
     """A helper that has run out of a call's items waits for the next call's work
