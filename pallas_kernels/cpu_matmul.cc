@@ -1013,6 +1013,32 @@ int64_t JaxserveSwiGluPart(int64_t m, int64_t k, int64_t i, int64_t slices, int 
   }
 }
 
+// Builds now what the calls of an M-row token bucket build on their first use, for every
+// count of rows in use (1 to M): the rows computed (RowsComputed), then the primitives
+// and checks of a plain matmul of `width`-wide slices (RowBlocks) or of a SwiGLU call
+// over `width` outputs per slice (PlanFor), as Matmul and MatmulSwiGlu make them. Returns
+// 0, or -1 on error (JaxserveLastError says why).
+int JaxservePrepareRows(int64_t m, int64_t k, int64_t width, int f32, int swiglu) {
+  try {
+    const int64_t n = swiglu ? 2 * width : width;  // the slice RowsInUse is asked about
+    int64_t done = -1;  // RowsComputed rises with the rows in use: each count comes once in a row
+    for (int64_t used = 1; used <= m; ++used) {
+      const int64_t rows = RowsComputed(used, m, k, n, f32 != 0);
+      if (rows == done) continue;
+      done = rows;
+      if (swiglu) {
+        PlanFor(rows, k, width, f32 != 0);
+      } else {
+        RowBlocks(rows, k, width, f32 != 0, std::max<int64_t>(rows, 1));
+      }
+    }
+    return 0;
+  } catch (const dnnl::error& e) {
+    last_error = e.what();
+    return -1;
+  }
+}
+
 // The implementation that runs M rows: oneDNN's ("brg:avx512_core_amx", ...) or
 // "jaxserve:panels:f32" / "jaxserve:panels:bf16" (cpu_panels.h) for one slice, or "" on error.
 const char* JaxserveMatmulImpl(int64_t m, int64_t k, int64_t n, int f32) {

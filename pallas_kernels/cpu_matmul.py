@@ -48,6 +48,7 @@ __all__ = [
     "pack",
     "pack_swiglu",
     "packed_bytes",
+    "prepare",
     "rms_norm",
     "slices",
     "swiglu",
@@ -85,6 +86,8 @@ def _lib() -> tuple[ctypes.CDLL | None, str]:
     lib.JaxservePrimitivesBuilt.argtypes = []
     lib.JaxserveLayoutQueries.restype = ctypes.c_int64
     lib.JaxserveLayoutQueries.argtypes = []
+    lib.JaxservePrepareRows.restype = ctypes.c_int
+    lib.JaxservePrepareRows.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.JaxserveLingerCheck.restype = ctypes.c_int
     lib.JaxserveLingerCheck.argtypes = []
     lib.JaxserveMatmulTiles.restype = ctypes.c_int
@@ -267,6 +270,18 @@ def rows_computed(rows: int, m: int, k: int, n: int, dtype) -> int:
     if done < 0:
         raise RuntimeError(f"oneDNN: {lib.JaxserveLastError().decode()}")
     return int(done)
+
+
+def prepare(m: int, k: int, n: int, dtype, swiglu: bool = False) -> None:
+    """Builds now, for calls of ``m`` rows (a bucket) with any number of them in use, what
+    such calls build on first use: oneDNN's primitive per count of rows computed
+    (``rows_computed``) and the kernel's checks, ~2-8 ms a count for SmolLM2's layers on a
+    2-core AMX CPU, which a step would otherwise wait for. ``[k, n]``: a ``matmul``
+    weight, or with ``swiglu`` a ``swiglu`` one of ``n`` outputs (``pack_swiglu``)."""
+    lib = _checked()
+    s = swiglu_slices(n, dtype) if swiglu else slices(n, dtype)
+    if lib.JaxservePrepareRows(m, k, n // s, _is_f32(dtype), int(swiglu)) != 0:
+        raise RuntimeError(f"oneDNN: {lib.JaxserveLastError().decode()}")
 
 
 def few_rows_checks() -> int:

@@ -203,12 +203,13 @@ def test_warmup_does_the_matmul_kernels_few_row_checks(tiny_model_dir):
         assert warm >= 4 and after == warm, stdout  # qkv, o, gate|up, down and the head: all at warm-up
 
 
-def test_warmup_builds_the_matmul_primitives_of_decodes_and_mixed_steps(tiny_model_dir):
+def test_warmup_builds_the_matmul_primitives_of_every_step_size(tiny_model_dir):
     """The CPU matmul kernel builds a primitive per row count on its first use of it (and
     on AMX checks its tile loop's bits up to 32 rows): 20-45 ms that a server's first 16-
-    or 24-sequence decode used to wait for. After warm-up, decodes of 9 to 32 sequences
-    and a step of ``max_mixed_batched_tokens`` beside decodes build none. In a child
-    process: the primitives are kept per process."""
+    or 24-sequence decode used to wait for, and 14-23 that a fresh server's first 16-stream
+    run built. After warm-up (``cpu_matmul.prepare`` for every bucket), decodes of 9 to 32
+    sequences, prompt chunks of other lengths and a step of ``max_mixed_batched_tokens``
+    beside decodes build none. In a child process: the primitives are kept per process."""
     if not cpu_matmul.available("bfloat16"):
         pytest.skip("no oneDNN matmul on this CPU")
     path, _ = tiny_model_dir("llama3")
@@ -223,6 +224,8 @@ def test_warmup_builds_the_matmul_primitives_of_decodes_and_mixed_steps(tiny_mod
         "    llm.generate([[5 + i] for i in range(n)], p)\n"
         # 1 + 63 tokens (no decode: the whole budget), then 2 decodes + 46 = 48, the mixed budget
         "llm.generate([[5], [6] * 63, [7] * 47], p)\n"
+        "for n in (9, 21, 37, 54):\n"  # a lone prompt: 16, 24, 40 and 56 rows computed
+        "    llm.generate([[8] * n], p)\n"
         "print(warm, cpu_matmul.primitives_built())\n"
     )
     warm, after, stdout = _warm_and_after(script, path)

@@ -320,6 +320,21 @@ class LlamaForCausalLM(nnx.Module):
         elif not cfg.tie_word_embeddings or weight_dtype is not None:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), weight_dtype or dtype)
 
+    def matmul_calls(self) -> list[tuple[int, int, str, bool, bool]]:
+        """The CPU matmul kernel's weights a step multiplies (``pallas_kernels.cpu_matmul``):
+        ``(K, N, dtype, swiglu, head)`` per packed weight, N being the outputs of a SwiGLU
+        call, ``head`` for the LM head (given the step's sequences' rows, not its tokens');
+        empty where nothing is packed for that kernel."""
+        calls = []
+        layers = self.layers.o_input()  # the layers' oneDNN dtype, if theirs is that kernel
+        if layers is not None:
+            for name, (k, n) in matmul_shapes(self.cfg, packed=True).items():
+                swiglu = name == "gate_up_proj"
+                calls.append((k, n // 2 if swiglu else n, layers, swiglu, False))
+        if self.packed_head:
+            calls.append((self.cfg.hidden_size, self.cfg.vocab_size, self.packed_head, False, True))
+        return calls
+
     def __call__(
         self, kv_cache: jax.Array, md: AttentionMetadata, backend: AttentionBackend = REFERENCE
     ) -> tuple[jax.Array, jax.Array]:

@@ -51,6 +51,7 @@ from jaxserve.runner.sampler import (
     sample,
 )
 from jaxserve.sampling_params import SamplingParams
+from pallas_kernels import cpu_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,6 +304,7 @@ class ModelRunner:
         mcfg = model.cfg
         self.vocab_size = mcfg.vocab_size
         self.graphdef, self.state = nnx.split(model)
+        self._matmul_calls = model.matmul_calls()  # the CPU matmul kernel's weights (warmup prepares them)
         mesh = cfg.attention_backend.mesh
         self.store = None
         # Program kind -> what its function closes over, part of its programs' keys in the
@@ -540,28 +542,27 @@ class ModelRunner:
         return np.asarray(logits)[: b.num_tokens]
 
     def warmup(self, progress: bool = True) -> None:
-        """``compile_ahead``, then runs the largest step once, so a device that cannot hold
-        its temporaries fails at start-up rather than on the first full batch, and a
-        one-token step: the CPU matmul kernel checks on a shape's first call with fewer
-        than 8 rows in use whether they can run alone (cpu_matmul.rows_computed; ~55 ms
-        for SmolLM2 on a 2-core Xeon), which the first request would otherwise wait for.
-        Then decode steps of 8, 16, 24 and 32 sequences (up to ``max_num_seqs``) and one of
-        ``max_mixed_batched_tokens``: that kernel builds a primitive per row count on its
-        first use (~8 ms a row count for SmolLM2's layers), and on AMX checks the
-        bits of its tile loop for up to 32 rows (cpu_matmul.primitives_built): a server's
-        first 16- or 24-sequence decode had waited 20-45 ms for it (SmolLM2, 2-core Xeon),
-        one of the slowest inter-token gaps of a 16-stream benchmark."""
+        """``compile_ahead``; on the CPU, the matmul kernel's set-up for every count of rows
+        a step can compute (``cpu_matmul.prepare``: a primitive per row count and weight,
+        built on first use, ~2-8 ms a count for SmolLM2's layers, and on AMX the bits of its
+        tile loop checked for up to 32 rows; ~0.3 s in all for SmolLM2 on a 2-core Xeon).
+        Warmed with a few decode steps instead, a fresh server's first 16-stream benchmark
+        run still built 14-23 of them (its second 0-5), each in a step all streams waited
+        for, and before those its first 16- or 24-sequence decode had waited 20-45 ms. Then the
+        largest step once, so a device that cannot hold its temporaries fails at start-up
+        rather than on the first full batch, and a one-token step: the CPU matmul kernel
+        checks on a shape's first call with fewer than 8 rows in use whether they can run
+        alone (cpu_matmul.rows_computed; ~55 ms for SmolLM2 on a 2-core Xeon), which the
+        first request would otherwise wait for."""
         self.compile_ahead(progress)
+        seqs = {s for _, s in self.cfg.bucket_pairs}  # the LM head's rows (and the last layer's)
+        tokens = {t for t, _ in self.cfg.bucket_pairs} | seqs
+        for k, n, dtype, swiglu, head in self._matmul_calls:
+            for m in sorted(seqs if head else tokens):
+                cpu_matmul.prepare(m, k, n, dtype, swiglu)
         t, s = self.cfg.bucket_pairs[-1]
         self.execute(bucket_seqs(self.cfg, t, s), greedy(s))
         self.execute(bucket_seqs(self.cfg, 1, 1), greedy(1))
-        most = min(self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
-        for s in sorted({min(rows, most) for rows in (8, 16, 24, 32)}):  # 12 at most: 16 rows
-            self.execute(bucket_seqs(self.cfg, s, s), greedy(s))
-        if self.cfg.max_mixed_batched_tokens is not None:  # the size of most steps beside decodes
-            t = self.cfg.max_mixed_batched_tokens
-            s = min(t, self.cfg.max_num_seqs)
-            self.execute(bucket_seqs(self.cfg, t, s), greedy(s))
 
     def compile_ahead(self, progress: bool = True) -> None:
         """Compiles (or loads from the program store) the model for every (token bucket,
