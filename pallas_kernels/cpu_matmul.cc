@@ -1013,11 +1013,11 @@ int64_t JaxserveSwiGluPart(int64_t m, int64_t k, int64_t i, int64_t slices, int 
   }
 }
 
-// Builds now what the calls of an M-row token bucket build on their first use, for every
-// count of rows in use (1 to M): the rows computed (RowsComputed), then the primitives
-// and checks of a plain matmul of `width`-wide slices (RowBlocks) or of a SwiGLU call
-// over `width` outputs per slice (PlanFor), as Matmul and MatmulSwiGlu make them. Returns
-// 0, or -1 on error (JaxserveLastError says why).
+// Builds now what the calls of an M-row bucket (tokens or sequences) build on first use,
+// for every count of rows in use (1 to M): the rows computed (RowsComputed), then the
+// primitives and checks of a plain matmul of `width`-wide slices (RowBlocks) or of a
+// SwiGLU call over `width` outputs per slice (PlanFor), as Matmul and MatmulSwiGlu make
+// them. Returns 0, or -1 on error (JaxserveLastError says why).
 int JaxservePrepareRows(int64_t m, int64_t k, int64_t width, int f32, int swiglu) {
   try {
     const int64_t n = swiglu ? 2 * width : width;  // the slice RowsInUse is asked about
