@@ -176,8 +176,8 @@ def test_bench_offline_rows_agree_on_greedy_outputs(tiny_model_dir, capsys):
     sampled = _digests(printed)
     assert set(sampled) == {"config", "fcfs-4"} and len(set(sampled.values())) == 1, printed
     assert set(sampled.values()) != digests and "(temperature 1.0, top-p 0.9)" in printed
-    each = r"^  [\w-]+: (\d+) steps.*the median of 2 runs, each per step against its replay: (.*)$"
-    repeats = re.findall(each, printed, re.M)
+    row = r"^  [\w-]+: (\d+) steps.*the median of 2 runs, each per step against its replay: (.*)$"
+    repeats = re.findall(row, printed, re.M)
     assert len(repeats) == 2 and "OUTPUTS DIFFER" not in printed, printed
     for steps, runs in repeats:
         each = re.findall(r"(\d+) steps (\d+) tokens [\d.]+ / [\d.]+ ms \([+-][\d.]+%\)", runs)
