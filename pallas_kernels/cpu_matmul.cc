@@ -124,12 +124,31 @@ bool Panels(bool f32) {
 #endif
 }
 
-// Bytes of one packed [k, n] slice.
+// make()'s value for `key`, made on first use and kept for the process: one table per call
+// site (the lambda's type makes the instantiation). The table stays locked while make()
+// runs, so concurrent callers wait for one result instead of each making it.
+template <typename Key, typename Make>
+auto Cached(const Key& key, Make&& make) -> decltype(make()) {
+  static std::mutex mu;
+  static std::map<Key, decltype(make())> table;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = table.find(key);
+  if (it == table.end()) it = table.emplace(key, make()).first;
+  return it->second;
+}
+
+// Bytes of one packed [k, n] slice. Kept per shape: oneDNN answers through PackedDesc, and
+// Matmul asks on every call (~10 us of each decode call when it was asked anew: 2-core
+// AMX Xeon, a 32-row [576, 128] call 24.9 -> 15.3 us, [576, 576] 62 -> 49 us with the
+// weights in memory; a lone decode 18.7 / 17.4 -> 16.0 / 14.6 ms/token). Throws
+// dnnl::error.
 int64_t SliceBytes(int64_t k, int64_t n, bool f32) {
+  return Cached(std::make_tuple(k, n, f32), [&]() -> int64_t {
 #ifdef JAXSERVE_HAVE_PANELS
-  if (Panels(f32)) return jaxserve::PanelBytes(k, n, f32 ? 4 : 2);
+    if (Panels(f32)) return jaxserve::PanelBytes(k, n, f32 ? 4 : 2);
 #endif
-  return static_cast<int64_t>(PackedDesc(k, n, f32).get_size());
+    return static_cast<int64_t>(PackedDesc(k, n, f32).get_size());
+  });
 }
 
 // How a packed weight's columns can be taken a range at a time: oneDNN's blocked layouts
@@ -196,19 +215,6 @@ void Pack(const void* weight, int64_t k, int64_t n, int64_t slices, bool f32, vo
     dnnl::reorder(src, dst).execute(stream, src, dst);
   }
   stream.wait();
-}
-
-// make()'s value for `key`, made on first use and kept for the process: one table per call
-// site (the lambda's type makes the instantiation). The table stays locked while make()
-// runs, so concurrent callers wait for one result instead of each making it.
-template <typename Key, typename Make>
-auto Cached(const Key& key, Make&& make) -> decltype(make()) {
-  static std::mutex mu;
-  static std::map<Key, decltype(make())> table;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = table.find(key);
-  if (it == table.end()) it = table.emplace(key, make()).first;
-  return it->second;
 }
 
 // Random rows [rows, k] and a random [k, n] weight packed as one slice, of either dtype
@@ -340,7 +346,7 @@ std::atomic<int64_t> primitives_built{0};  // Primitive's entries made (for the 
 // generates its code then, and an AMX tile entry checks its bits (TileMatchesOneDnn). A
 // step that first computes some row count waits for it: a 16- or 24-sequence decode of
 // SmolLM2 on a 2-core AMX Xeon took 20-45 ms more the first time, a 136-token step ~10
-// ms, so the model's warm-up runs decode steps of 8, 16, 24 and 32 sequences.
+// ms, so the model's warm-up builds every row count's (JaxservePrepareRows).
 std::shared_ptr<const Entry> Primitive(int64_t m, int64_t k, int64_t n, bool f32) {
   return Cached(std::make_tuple(m, k, n, f32), [&]() -> std::shared_ptr<const Entry> {
     primitives_built.fetch_add(1, std::memory_order_relaxed);
@@ -660,12 +666,9 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> p
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("oneDNN matmul: ") + e.what());
   }
-  // Cached: SliceBytes asks PackedDesc. On every call it was ~10 us of each decode call
-  // (2-core AMX Xeon: a 32-row [576, 128] call 24.9 -> 15.3 us, [576, 576] 62 -> 49 us with
-  // the weights in memory; a lone decode 18.7 / 17.4 -> 16.0 / 14.6 ms/token).
   int64_t slice_bytes;
   try {
-    slice_bytes = Cached(std::make_tuple(k, width, f32), [&] { return SliceBytes(k, width, f32); });
+    slice_bytes = SliceBytes(k, width, f32);  // kept per shape after the first call
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("oneDNN matmul: ") + e.what());
   }

@@ -294,7 +294,7 @@ def few_rows_checks() -> int:
 def primitives_built() -> int:
     """How many of the kernel's primitives (one per row count computed, slice shape and
     weight dtype, built on a call's first use of them) this process has built: a model's
-    warm-up builds those of every decode step, so no request waits for one."""
+    warm-up builds those of every step size (``prepare``), so no request waits for one."""
     return int(_checked().JaxservePrimitivesBuilt())
 
 
