@@ -37,6 +37,7 @@ import hashlib
 import json
 import random
 import time
+from typing import NamedTuple
 
 from jaxserve.bench import add_engine_options, at_least, engine_config, footer, parse_variant, span
 
@@ -84,6 +85,19 @@ def sampling(work, temperature: float = 0.0, top_p: float = 1.0, regex: str | No
     ]  # fmt: skip
 
 
+class Run(NamedTuple):
+    """One run of the workload (``run_engine``)."""
+
+    seconds: float
+    device_only: float  # its step inputs replayed back to back
+    steps: int
+    tokens: int  # computed, padding not counted
+    engine_timings: dict
+    runner_timings: dict
+    input_bytes: int
+    digest: str  # of every output token id
+
+
 def run_engine(cfg, work, params, static: bool, quiet: bool, repeat: int = 1) -> tuple[float, int, str]:
     """Runs the workload (``params``: each request's SamplingParams) ``repeat`` times on a
     fresh engine; returns (seconds of the median run, output tokens, profile line)."""
@@ -91,7 +105,7 @@ def run_engine(cfg, work, params, static: bool, quiet: bool, repeat: int = 1) ->
 
     llm = LLM(config=cfg, progress=not quiet)  # warmed up: the workload alone is timed
     compiles = llm.stats()["num_compiles"]
-    runs = []  # per run: (seconds, device-only seconds, steps, tokens, engine and runner timings, digest)
+    runs: list[Run] = []
     produced = 0
     for _ in range(repeat):
         llm.kv.clear_cache()  # a run finds none of the last one's prefixes
@@ -115,13 +129,17 @@ def run_engine(cfg, work, params, static: bool, quiet: bool, repeat: int = 1) ->
         if not constrained and [len(o) for o in outputs] != [m for _, m in work]:
             raise RuntimeError("a request did not produce its output length")
         steps = llm.stats()["steps"] - steps_before
-        timings = (dict(llm.engine.timings), dict(llm.runner.timings), llm.runner.input_bytes)
-        tokens = sum(int(inputs[0].query_start_loc[-1]) for inputs in recorded)  # computed, padding not counted
+        engine_timings, runner_timings = dict(llm.engine.timings), dict(llm.runner.timings)
+        tokens = sum(int(inputs[0].query_start_loc[-1]) for inputs in recorded)
         device_only = llm.runner.replay(recorded)
         digest = hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:12]
-        runs.append((elapsed, device_only, steps, tokens, timings, digest))
+        runs.append(
+            Run(elapsed, device_only, steps, tokens, engine_timings, runner_timings, llm.runner.input_bytes, digest)
+        )
         produced = sum(len(o) for o in outputs)
-    elapsed, device_only, steps, _, (eng, run, input_bytes), digest = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+    median = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+    elapsed, device_only, steps, digest = median.seconds, median.device_only, median.steps, median.digest
+    eng, run, input_bytes = median.engine_timings, median.runner_timings, median.input_bytes
     host = eng["schedule_s"] + eng["update_s"]  # pack_s is inside schedule_s
     ms = 1e3 / steps
     profile = (
@@ -133,16 +151,17 @@ def run_engine(cfg, work, params, static: bool, quiet: bool, repeat: int = 1) ->
     )
     if repeat > 1:
         each = ", ".join(
-            f"{n} steps {t} tokens {1e3 * e / n:.1f} / {1e3 * d / n:.1f} ms ({100 * (e / d - 1):+.1f}%)"
-            for e, d, n, t, _, _ in runs
+            f"{r.steps} steps {r.tokens} tokens {1e3 * r.seconds / r.steps:.1f} / {1e3 * r.device_only / r.steps:.1f} ms "
+            f"({100 * (r.seconds / r.device_only - 1):+.1f}%)"
+            for r in runs
         )
-        differences = sorted(100 * (e / d - 1) for e, d, *_ in runs)
+        differences = sorted(100 * (r.seconds / r.device_only - 1) for r in runs)
         profile += (
             f"; the median of {repeat} runs, each per step against its replay: {each}; "
             f"median difference {differences[len(differences) // 2]:+.1f}%"
         )
-        if len({r[-1] for r in runs}) > 1:
-            profile += f"; OUTPUTS DIFFER between runs: {', '.join(r[-1] for r in runs)}"
+        if len({r.digest for r in runs}) > 1:
+            profile += f"; OUTPUTS DIFFER between runs: {', '.join(r.digest for r in runs)}"
     return elapsed, produced, profile
 
 
