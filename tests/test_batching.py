@@ -179,10 +179,10 @@ def _warm_and_after(script: str, path) -> tuple[int, int, str]:
 
 def test_warmup_does_the_matmul_kernels_few_row_checks(tiny_model_dir):
     """oneDNN's kernel decides per slice shape, on its first call with fewer than 8 rows in
-    use, whether they can run alone (cpu_matmul.rows_computed); the warm-up's one-token
-    step makes those calls, so the first requests (a lone one, then three at once) wait for
-    no check. In a child process: the checks are kept per process, and this one's other
-    tests have done them already."""
+    use, whether they can run alone (cpu_matmul.rows_computed); the warm-up's
+    ``cpu_matmul.prepare`` makes those checks for every row count, so the first requests
+    (a lone one, then three at once) wait for none. In a child process: the checks are
+    kept per process, and this one's other tests have done them already."""
     if not cpu_matmul.available("float32"):
         pytest.skip("no oneDNN matmul on this CPU")
     path, _ = tiny_model_dir("llama3")

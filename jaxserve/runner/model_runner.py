@@ -547,13 +547,15 @@ class ModelRunner:
         built on first use, ~2-8 ms a count for SmolLM2's layers, and on AMX the bits of its
         tile loop checked for up to 32 rows; ~0.3 s in all for SmolLM2 on a 2-core Xeon).
         Warmed with a few decode steps instead, a fresh server's first 16-stream benchmark
-        run still built 14-23 of them (its second 0-5), each in a step all streams waited
-        for, and before those its first 16- or 24-sequence decode had waited 20-45 ms. Then the
+        run still built 14-23 primitives (its second 0-5), each in a step all streams waited
+        for, and before those its first 16- or 24-sequence decode had waited 20-45 ms.
+        ``prepare`` also makes each shape's check of whether fewer than 8 rows in use can run
+        alone (cpu_matmul.rows_computed; ~55 ms for SmolLM2), which a one-token warm step was
+        run for: without that step the first requests still find every check and primitive
+        made (tests/test_batching.py), and a fresh process's first request (3 prompt tokens,
+        4 out) took 75 / 75 / 74 ms against 101 / 78 / 72 with it (alternating). Then the
         largest step once, so a device that cannot hold its temporaries fails at start-up
-        rather than on the first full batch, and a one-token step: the CPU matmul kernel
-        checks on a shape's first call with fewer than 8 rows in use whether they can run
-        alone (cpu_matmul.rows_computed; ~55 ms for SmolLM2 on a 2-core Xeon), which the
-        first request would otherwise wait for."""
+        rather than on the first full batch."""
         self.compile_ahead(progress)
         seqs = {s for _, s in self.cfg.bucket_pairs}  # the LM head's rows (and the last layer's)
         tokens = {t for t, _ in self.cfg.bucket_pairs} | seqs
@@ -562,7 +564,6 @@ class ModelRunner:
                 cpu_matmul.prepare(m, k, n, dtype, swiglu)
         t, s = self.cfg.bucket_pairs[-1]
         self.execute(bucket_seqs(self.cfg, t, s), greedy(s))
-        self.execute(bucket_seqs(self.cfg, 1, 1), greedy(1))
 
     def compile_ahead(self, progress: bool = True) -> None:
         """Compiles (or loads from the program store) the model for every (token bucket,
