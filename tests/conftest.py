@@ -16,6 +16,14 @@ import torch
 
 from jaxserve.models.fetch import DEFAULT_MODEL, fetch
 
+# pytest-xdist's workers share the machine's cores, and torch's OpenMP team (the oracle's)
+# waits for its slowest thread at every operation: a core another worker holds stalls it.
+# transformers' SmolLM2 generating 32 tokens beside one busy core took 9-21 s a prompt
+# with torch's two threads against 1.9-2.0 s with one (1.2 s on an idle 2-core Xeon), and
+# a two-worker run of the suite spent 89 s in the test that does it six times.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
 TINY = {
     "vocab_size": 320,
     "hidden_size": 64,
