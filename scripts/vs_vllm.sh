@@ -41,6 +41,14 @@ fi
 ours() { env "${ours_env[@]}" "$J" "$@" 2>&1 | tr '\r' '\n'; }
 vllm() { (cd /tmp && "$VLLM/bin/python" "$OLDPWD/scripts/vllm_compare.py" "$@" "${vllm_flag[@]}" 2>&1) | grep '^vllm'; }
 set_for() { echo "--set max_num_batched_tokens=512 --set weight_dtype=$1 --set kv_cache_dtype=$1"; }
+# Before a server starts, for both engines alike: the engine processes before it gone, then
+# 30 s more. Started 5 s after vLLM's server stopped (as this script did), jaxserve's first
+# 16-stream run had an ITL p99 of 2.3 / 3.0 / 3.2x p50 (3 runs); 30 s after, 2.3 / 2.35 /
+# 2.3x, though the CPU was idle 4 s after the stop (vmstat). Suggestive, not a known cause.
+settle() {
+  for _ in $(seq 60); do pgrep -f "$1" >/dev/null || break; sleep 1; done
+  sleep 30
+}
 
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs), family $(grep -m1 'cpu family' /proc/cpuinfo | cut -d: -f2 | xargs) model $(grep -m1 '^model\s' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; $(grep -o -E 'amx_bf16|avx512_bf16' /proc/cpuinfo | sort -u | xargs)${no_amx:+; as without AMX}"
 for r in $(seq 1 "$rounds"); do
@@ -55,17 +63,18 @@ for r in $(seq 1 "$rounds"); do
   echo "round $r latency bfloat16: vLLM $(vllm latency "$MODEL" --dtype bfloat16 | sed 's/^vllm bfloat16: //' | paste -sd'|' | sed 's/|/ then /')"
   [ -n "$serve" ] || continue
   streams=(bench serve --workload random --num-requests 64 --concurrency 16 --input-len 200:200 --output-len 64:64 --seed 1)
+  settle "scripts/vllm_compare.py"
   (cd /tmp && "$VLLM/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype bfloat16 \
     --no-enable-prefix-caching --gpu-memory-utilization 0.5 --port 8011 >/tmp/vs_vllm_server.log 2>&1) &
   for _ in $(seq 600); do curl -sf http://127.0.0.1:8011/v1/models >/dev/null && break; sleep 1; done
   echo "round $r 16 streams, vLLM OpenAI HTTP: $("$J" "${streams[@]}" --server http://127.0.0.1:8011 2>&1 | tr '\r' '\n' | grep -E '^\[all\]|^  itl|rror' | xargs)"
   pkill -f "vllm.entrypoints.openai.api_server" || true
-  sleep 5
+  settle "VLLM::|vllm.entrypoints.openai.api_server"
   "$J" run --config configs/smollm2-135m.yaml --set enable_prefix_caching=false --quiet >/tmp/vs_jaxserve_server.log 2>&1 &
   for _ in $(seq 600); do grep -q "jaxserve: serving" /tmp/vs_jaxserve_server.log && break; sleep 1; done
   for server in 127.0.0.1:50051 http://127.0.0.1:8000; do
     echo "round $r 16 streams, jaxserve $server: $("$J" "${streams[@]}" --server $server 2>&1 | tr '\r' '\n' | grep -E '^\[all\]|^  itl|rror' | xargs)"
   done
   pkill -f "jaxserve run --config configs/smollm2-135m.yaml" || true
-  sleep 3
+  settle "jaxserve run --config configs/smollm2-135m.yaml"
 done
