@@ -136,7 +136,14 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
     runner = ModelRunner(model, plan.runner, program_dir)
     tokenizer = ckpt.tokenizer()
     eos = set(mcfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    scheduler = Scheduler(
+    engine = Engine(runner, make_scheduler(cfg, plan, kv), tokenizer, eos, overlap=cfg.overlap_scheduling)
+    return EngineHandle(cfg, plan, mcfg, tokenizer, engine, quant)
+
+
+def make_scheduler(cfg: EngineConfig, plan: EnginePlan, kv: KVManager) -> Scheduler:
+    """The scheduler of the plan's budgets (max_mixed_batched_tokens as resolved: auto's
+    value, the bucket the runner compiled for it)."""
+    return Scheduler(
         kv,
         cfg.max_num_batched_tokens,
         cfg.max_num_seqs,
@@ -144,7 +151,5 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
         schedule_policy=cfg.schedule_policy,
         lpm_aging_steps=cfg.lpm_aging_steps,
         min_token_bucket=plan.runner.min_token_bucket,
-        max_mixed_batched_tokens=cfg.max_mixed_batched_tokens,
+        max_mixed_batched_tokens=plan.runner.max_mixed_batched_tokens,
     )
-    engine = Engine(runner, scheduler, tokenizer, eos, overlap=cfg.overlap_scheduling)
-    return EngineHandle(cfg, plan, mcfg, tokenizer, engine, quant)

@@ -42,6 +42,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         engine_cfg = dataclasses.replace(engine_cfg, cache_dir=args.cache_dir)
     handle = assemble(engine_cfg, progress=not args.quiet)
     print(f"jaxserve: {handle.plan.platform}: {handle.numerics}", flush=True)
+    print(f"jaxserve: {handle.plan.budgets}", flush=True)
     runner = handle.engine.runner
     if jax.process_index() != 0:  # multi-host follower: replay process 0's steps
         runner.compile_ahead(progress=not args.quiet)

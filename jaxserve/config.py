@@ -159,14 +159,15 @@ class EngineConfig:
     max_num_batched_tokens: int = option(
         256, "Tokens per step (the chunked-prefill budget); also the largest token bucket.", at_least(1)
     )
-    max_mixed_batched_tokens: int | None = option(
+    max_mixed_batched_tokens: int | str | None = option(
         None,
         "Tokens per step when the step also decodes (null: max_num_batched_tokens). A prefill chunk makes "
         "that step, and so one inter-token gap of every running stream, longer: this bounds the gap while "
         "a step with nothing to decode (a lone prompt, a burst of arrivals) still takes max_num_batched_tokens. "
         "Also a token bucket. From max_num_seqs (room for a prefill token beside a full batch of decodes) "
-        "up to max_num_batched_tokens.",
-        at_least(1),
+        "up to max_num_batched_tokens. auto: by how fast the CPU prefills (128 where the linear layers run "
+        "on AMX tiles, 96 on other CPUs; start-up reports it), null on accelerators.",
+        Rule(lambda v: v == "auto" if isinstance(v, str) else v >= 1, "an integer >= 1 or auto"),
     )
     max_num_seqs: int = option(32, "Sequences per step; also the largest sequence bucket.", at_least(1))
     min_token_bucket: int | None = option(
@@ -234,10 +235,10 @@ class EngineConfig:
                 f"({self.max_num_batched_tokens})"
             )
         mixed = self.max_mixed_batched_tokens
-        if mixed is not None and not self.max_num_seqs <= mixed <= self.max_num_batched_tokens:
+        if isinstance(mixed, int) and not self.max_num_seqs <= mixed <= self.max_num_batched_tokens:
             raise ConfigError(
                 f"max_mixed_batched_tokens = {mixed}: must be from max_num_seqs ({self.max_num_seqs}) to "
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}), or null"
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}), auto or null"
             )
         try:
             MeshConfig.from_option(self.mesh)

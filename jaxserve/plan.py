@@ -46,6 +46,34 @@ def storage_dtype(option: str | None, dtype: str, platform: str) -> str:
     return "bfloat16" if fast and dtype == "float32" else dtype
 
 
+# max_mixed_batched_tokens: auto on a CPU. A step that decodes and carries a prefill chunk
+# is an inter-token gap of every running stream; its chunk costs what the CPU's linear layers
+# make of it. 16 streams of 200-token prompts (`jaxserve bench serve --workload random
+# --num-requests 64 --concurrency 16 --input-len 200:200 --output-len 64:64`): on a 2-core
+# AMX Xeon (~0.24 ms a prefill token) 128 kept the ITL p99 at 2.1-2.7x its p50, 160 and
+# 192 went past 3x; on a 2-core Zen 4 (AVX-512 BF16, ~0.63 ms a token) 128 gave p99 3.1-4.6x
+# p50 in five runs and 96 2.4-2.6x in four, p50 35-38 ms (64: p50 52-53 ms, most steps then
+# carrying a chunk).
+MIXED_BUDGET_AMX = 128
+MIXED_BUDGET_CPU = 96
+
+
+def mixed_budget(cfg: EngineConfig, mcfg: ModelConfig, platform: str, matmul: str, weight_dtype: str) -> int | None:
+    """``max_mixed_batched_tokens`` resolved: ``auto`` on a CPU is MIXED_BUDGET_AMX where a
+    prefill's linear layers run on AMX tiles (oneDNN's implementation for the model's first
+    weight at max_num_batched_tokens rows), else MIXED_BUDGET_CPU, within max_num_seqs and
+    max_num_batched_tokens; on accelerators null (every step's budget is max_num_batched_tokens)."""
+    option = cfg.max_mixed_batched_tokens
+    if option != "auto":
+        return option
+    if platform != "cpu":
+        return None
+    k, n = next(iter(matmul_shapes(mcfg, packed=True).values()))
+    amx = matmul == "onednn" and "amx" in cpu_matmul.impl(cfg.max_num_batched_tokens, k, n, weight_dtype)
+    budget = max(MIXED_BUDGET_AMX if amx else MIXED_BUDGET_CPU, cfg.max_num_seqs)
+    return budget if budget < cfg.max_num_batched_tokens else None
+
+
 @dataclasses.dataclass(frozen=True)
 class EnginePlan:
     """The resolved engine: what the config leaves to "derive" is decided here.
@@ -100,6 +128,13 @@ class EnginePlan:
             f"({self.matmul} matmuls{' on its own AVX2 loop' if own else ''}), "
             f"KV cache {self.kv_dtype}{' (attention on AMX tiles)' if amx else ''}{units}"
         )
+
+    @property
+    def budgets(self) -> str:
+        """What start-up reports of the chunked-prefill budgets (max_mixed_batched_tokens may be auto's)."""
+        mixed = self.runner.max_mixed_batched_tokens
+        beside = f", {mixed} in a step that also decodes" if mixed else ""
+        return f"up to {self.runner.max_num_batched_tokens} tokens a step{beside}"
 
     @property
     def kv_bytes_per_page(self) -> int:
@@ -225,7 +260,7 @@ def resolve_plan(
         # buckets would only add programs to compile (and load at every start). XLA:CPU's
         # dots pay per row: 2 rows there.
         min_seq_bucket=2 if platform == "cpu" and matmul != "onednn" else 8,
-        max_mixed_batched_tokens=cfg.max_mixed_batched_tokens,
+        max_mixed_batched_tokens=mixed_budget(cfg, mcfg, platform, matmul, weight_dtype),
         attention_backend=backend,
         kv_cache_dtype=kv_dtype,
         warmup_scoring=cfg.warmup_scoring,

@@ -150,8 +150,12 @@ def test_unknown_alias():
             {"max_mixed_batched_tokens": 16},
             r"max_mixed_batched_tokens = 16: must be from max_num_seqs \(32\) to max_num_batched_tokens \(256\)",
         ),
-        ({"max_mixed_batched_tokens": 512}, r"max_mixed_batched_tokens = 512: must be from .* \(256\), or null"),
-        ({"max_mixed_batched_tokens": 0}, "max_mixed_batched_tokens = 0: must be an integer >= 1"),
+        ({"max_mixed_batched_tokens": 512}, r"max_mixed_batched_tokens = 512: must be from .* \(256\), auto or null"),
+        ({"max_mixed_batched_tokens": 0}, "max_mixed_batched_tokens = 0: must be an integer >= 1 or auto"),
+        (
+            {"max_mixed_batched_tokens": "small"},
+            r"max_mixed_batched_tokens = 'small': must be an integer >= 1 or auto \(or null\)",
+        ),
     ],
 )
 def test_bad_engine_options(options, message):
