@@ -49,9 +49,10 @@ def test_auto_is_larger_where_the_prefill_runs_on_amx_tiles(monkeypatch, impl, b
     assert p.budgets == f"up to 512 tokens a step, {budget} in a step that also decodes"
 
 
-def test_auto_without_onednn_is_the_smaller_budget_and_asks_nothing(monkeypatch):
-    p, asked = _plan(monkeypatch, matmul="xla")
-    assert (p.runner.max_mixed_batched_tokens, asked) == (96, [])
+@pytest.mark.parametrize(("matmul", "budget"), [("xla", 96), ("amx", 128)])  # amx: int8 weights' AMX kernel
+def test_auto_without_onednn_asks_nothing(monkeypatch, matmul, budget):
+    p, asked = _plan(monkeypatch, matmul=matmul)
+    assert (p.runner.max_mixed_batched_tokens, asked) == (budget, [])
 
 
 def test_auto_stays_within_max_num_seqs_and_max_num_batched_tokens(monkeypatch):
