@@ -1,11 +1,15 @@
-"""dtype policy: weight_dtype / kv_cache_dtype ``auto`` choose by the device."""
+"""What the plan's ``auto`` options choose by the device: weight_dtype / kv_cache_dtype (the
+dtype policy), and max_mixed_batched_tokens (the budget of a step that decodes, by how fast
+the CPU prefills; the scheduler and the runner's buckets get the same resolved value)."""
 
 from __future__ import annotations
 
 import pytest
 
 from jaxserve import plan
+from jaxserve.assembly import make_scheduler
 from jaxserve.config import EngineConfig
+from jaxserve.engine.kv_manager import KVManager
 from jaxserve.errors import ConfigError
 from jaxserve.models.config import config_from_hf
 from jaxserve.plan import resolve_plan
@@ -64,3 +68,59 @@ def test_auto_keeps_a_narrow_activation_dtype_and_explicit_values_win(monkeypatc
 def test_a_bad_dtype_names_auto_among_the_allowed():
     with pytest.raises(ConfigError, match="weight_dtype = 'fast': must be one of float32, bfloat16, float16, auto"):
         EngineConfig(weight_dtype="fast")
+
+
+def _budget_plan(monkeypatch, impl: str = "brg:avx512_core_bf16", matmul: str = "onednn", **options):
+    """A CPU plan whose oneDNN reports ``impl`` for the prefill's matmul (no library call)."""
+    asked = []
+
+    def fake_impl(m, k, n, dtype):
+        asked.append((m, k, n, dtype))
+        return impl
+
+    monkeypatch.setattr(plan, "resolve_matmul", lambda *args, **kw: matmul)
+    monkeypatch.setattr(plan.cpu_matmul, "impl", fake_impl)
+    options = {"num_pages": 16, "max_num_batched_tokens": 512, "max_mixed_batched_tokens": "auto", **options}
+    return resolve_plan(EngineConfig(**options), TINY, platform="cpu"), asked
+
+
+@pytest.mark.parametrize(("impl", "budget"), [("brg:avx512_core_amx", 128), ("brg:avx512_core_bf16", 96)])
+def test_mixed_budget_auto_is_larger_where_the_prefill_runs_on_amx_tiles(monkeypatch, impl, budget):
+    p, asked = _budget_plan(monkeypatch, impl)
+    assert p.runner.max_mixed_batched_tokens == budget
+    # asked about the model's first packed weight (q|k|v: 64 -> 4 + 2 * 2 heads of 16) at the step's rows
+    assert asked == [(512, 64, 128, p.weight_dtype)]
+    assert p.budgets == f"up to 512 tokens a step, {budget} in a step that also decodes"
+
+
+@pytest.mark.parametrize(("matmul", "budget"), [("xla", 96), ("amx", 128)])  # amx: int8 weights' AMX kernel
+def test_mixed_budget_auto_without_onednn_asks_nothing(monkeypatch, matmul, budget):
+    p, asked = _budget_plan(monkeypatch, matmul=matmul)
+    assert (p.runner.max_mixed_batched_tokens, asked) == (budget, [])
+
+
+def test_mixed_budget_auto_stays_within_max_num_seqs_and_max_num_batched_tokens(monkeypatch):
+    assert (
+        _budget_plan(monkeypatch, max_num_seqs=100, max_num_batched_tokens=256)[0].runner.max_mixed_batched_tokens
+        == 100
+    )
+    p = _budget_plan(monkeypatch, max_num_batched_tokens=96)[0]  # no smaller budget: no extra bucket either
+    assert (p.runner.max_mixed_batched_tokens, p.budgets) == (None, "up to 96 tokens a step")
+
+
+def test_mixed_budget_integer_or_null_is_taken_as_given(monkeypatch):
+    assert _budget_plan(monkeypatch, max_mixed_batched_tokens=200)[0].runner.max_mixed_batched_tokens == 200
+    assert _budget_plan(monkeypatch, max_mixed_batched_tokens=None)[0].runner.max_mixed_batched_tokens is None
+
+
+def test_mixed_budget_auto_on_an_accelerator_is_the_one_budget():
+    cfg = EngineConfig(max_num_batched_tokens=512, max_mixed_batched_tokens="auto")
+    assert plan.mixed_budget(cfg, TINY, "tpu", "xla", "bfloat16") is None
+
+
+def test_the_scheduler_and_the_buckets_take_the_resolved_budget(monkeypatch):
+    p, _ = _budget_plan(monkeypatch)
+    cfg = EngineConfig(num_pages=16, max_num_batched_tokens=512, max_mixed_batched_tokens="auto")
+    sched = make_scheduler(cfg, p, KVManager(p.num_pages, cfg.page_size, False))
+    assert sched.max_mixed_batched_tokens == 96
+    assert p.runner.buckets[0] == [8, 16, 32, 64, 96, 128, 256, 512]  # its step compiled, padded to itself
