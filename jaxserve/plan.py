@@ -60,19 +60,19 @@ MIXED_BUDGET_CPU = 96
 
 def mixed_budget(cfg: EngineConfig, mcfg: ModelConfig, platform: str, matmul: str, weight_dtype: str) -> int | None:
     """``max_mixed_batched_tokens`` resolved: ``auto`` on a CPU is MIXED_BUDGET_AMX where a
-    prefill's linear layers run on AMX tiles (oneDNN's implementation for the model's first
-    weight at max_num_batched_tokens rows, or int8 weights on cpu_int8's kernel), else MIXED_BUDGET_CPU, within max_num_seqs and
-    max_num_batched_tokens; on accelerators null (every step's budget is max_num_batched_tokens)."""
+    prefill's linear layers run on AMX tiles (int8 weights on cpu_int8's kernel, or oneDNN's
+    implementation for the model's first weight at max_num_batched_tokens rows), else
+    MIXED_BUDGET_CPU, within max_num_seqs and max_num_batched_tokens; on accelerators null
+    (every step's budget is max_num_batched_tokens)."""
     option = cfg.max_mixed_batched_tokens
     if option != "auto":
         return option
     if platform != "cpu":
         return None
-    k, n = next(iter(matmul_shapes(mcfg, packed=True).values()))
-    # int8 weights (matmul "amx") run on cpu_int8's AMX kernel.
-    amx = matmul == "amx" or (
-        matmul == "onednn" and "amx" in cpu_matmul.impl(cfg.max_num_batched_tokens, k, n, weight_dtype)
-    )
+    amx = matmul == "amx"
+    if matmul == "onednn":
+        k, n = next(iter(matmul_shapes(mcfg, packed=True).values()))
+        amx = "amx" in cpu_matmul.impl(cfg.max_num_batched_tokens, k, n, weight_dtype)
     budget = max(MIXED_BUDGET_AMX if amx else MIXED_BUDGET_CPU, cfg.max_num_seqs)
     return budget if budget < cfg.max_num_batched_tokens else None
 

@@ -905,12 +905,10 @@ class TileRunner {
   // stream. From the second level the group's loads wait ~a dozen cycles, not on memory.
   // A 32-sequence decode's attention (30 layers, 264 positions; Zen 4, 2 cores) 20-23 ->
   // 14-16 ms with a bfloat16 cache, 36 -> 24-28 ms with float32; prefills the same.
-  JAXSERVE_PREFETCHER void Prefetch(int32_t seq, int64_t plane, int32_t first, int32_t jlo, int32_t jhi) const {
-    const int64_t row_bytes = pb_.head_dim * static_cast<int64_t>(sizeof(T));
-    PageRuns(pb_, seq, plane, std::max(first, jlo), std::min(first + kLanes, jhi), [&](int64_t row, int32_t, int32_t n) {
-      const char* bytes = reinterpret_cast<const char*>(static_cast<const T*>(pb_.kv) + row * pb_.head_dim);
-      for (int64_t byte = 0; byte < n * row_bytes; byte += 64) __builtin_prefetch(bytes + byte, 0, 2);
-    });
+  // The group at `first` all at once (Defer, then every pending line).
+  JAXSERVE_PREFETCHER void Prefetch(int32_t seq, int64_t plane, int32_t first, int32_t jlo, int32_t jhi) {
+    Defer(seq, plane, first, jlo, jhi);
+    Pump(pending_lines_);
   }
 
   // A tile of few rows (a decode's) holds each group's prefetch back (Defer) and issues it a
@@ -929,10 +927,7 @@ class TileRunner {
     const int64_t row_bytes = pb_.head_dim * static_cast<int64_t>(sizeof(T));
     PageRuns(pb_, seq, plane, std::max(first, jlo), std::min(first + kLanes, jhi), [&](int64_t row, int32_t, int32_t n) {
       const char* bytes = reinterpret_cast<const char*>(static_cast<const T*>(pb_.kv) + row * pb_.head_dim);
-      if (num_pending_ == kMaxPending) {
-        for (int64_t byte = 0; byte < n * row_bytes; byte += 64) __builtin_prefetch(bytes + byte, 0, 2);
-        return;
-      }
+      if (num_pending_ == kMaxPending) Pump(pending_lines_);  // more runs than slots (pages of < 4 tokens)
       const int64_t lines = (n * row_bytes + 63) / 64;
       pending_[num_pending_++] = {bytes, lines};
       pending_lines_ += lines;
@@ -1018,11 +1013,8 @@ class TileRunner {
   void LoadGroup(int32_t seq, int64_t plane, int32_t first, int32_t jlo, int32_t jhi, bool defer = false) {
     const Problem& pb = pb_;
     const int64_t D = pb.head_dim;
-    if (defer) {
-      Defer(seq, plane, first + kAhead * kLanes, jlo, jhi);
-    } else {
-      Prefetch(seq, plane, first + kAhead * kLanes, jlo, jhi);
-    }
+    Defer(seq, plane, first + kAhead * kLanes, jlo, jhi);
+    if (!defer) Pump(pending_lines_);
     const int64_t chunks = C > 0 ? C : (D + kLanes - 1) / kLanes;
     int64_t rows[kLanes];  // cache rows; -1 outside [jlo, jhi)
     for (int j = 0; j < kLanes; ++j) rows[j] = -1;
