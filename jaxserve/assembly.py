@@ -102,8 +102,10 @@ class EngineHandle:
         return ids
 
 
-def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
-    """Joins the cluster (if any), loads the model and builds the engine."""
+def assemble(cfg: EngineConfig, progress: bool = True, warmup: bool = False) -> EngineHandle:
+    """Joins the cluster (if any), loads the model and builds the engine. ``warmup``: the
+    runner's warm-up starts as soon as the runner exists (``ModelRunner.start_warmup``;
+    ``warmup()`` then waits for it), beside the tokenizer's load."""
     distributed = DistributedConfig.from_option(cfg.distributed)
     if distributed is not None:  # before anything else touches JAX
         initialize(distributed)
@@ -131,12 +133,18 @@ def assemble(cfg: EngineConfig, progress: bool = True) -> EngineHandle:
         quant=quant,
         cache=weight_dir,
     )
-    # The runner first: it starts zeroing the KV cache on a thread of its own, which the
-    # tokenizer's load (mostly importing transformers) then overlaps.
+    # The runner first: it starts zeroing the KV cache (and warming up) on threads of its
+    # own, which the tokenizer's load (mostly importing transformers) then overlaps.
     runner = ModelRunner(model, plan.runner, program_dir)
-    tokenizer = ckpt.tokenizer()
-    eos = set(mcfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    engine = Engine(runner, make_scheduler(cfg, plan, kv), tokenizer, eos, overlap=cfg.overlap_scheduling)
+    if warmup and runner.channel is None:
+        runner.start_warmup(progress)
+    try:
+        tokenizer = ckpt.tokenizer()
+        eos = set(mcfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        engine = Engine(runner, make_scheduler(cfg, plan, kv), tokenizer, eos, overlap=cfg.overlap_scheduling)
+    except BaseException:  # a bad tokenizer, Ctrl-C: no warm-up is left running
+        runner.cancel_warmup()
+        raise
     return EngineHandle(cfg, plan, mcfg, tokenizer, engine, quant)
 
 

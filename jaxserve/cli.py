@@ -26,21 +26,32 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    import asyncio
-
-    import jax
-
     from jaxserve.assembly import assemble
-    from jaxserve.runner import compile_counter
     from jaxserve.server.config import load_run_config
-    from jaxserve.server.server import Server
 
     engine_cfg, server_cfg = load_run_config(args.config, args.set or [])
     if args.cache_dir:
         import dataclasses
 
         engine_cfg = dataclasses.replace(engine_cfg, cache_dir=args.cache_dir)
-    handle = assemble(engine_cfg, progress=not args.quiet)
+    # The warm-up starts inside: it runs while the tokenizer loads and the ports are bound,
+    # and the server's engine thread waits for it.
+    handle = assemble(engine_cfg, progress=not args.quiet, warmup=server_cfg.warmup)
+    runner = handle.engine.runner
+    try:
+        return _serve(args, handle, engine_cfg, server_cfg)
+    finally:  # a start that failed before the engine thread took the warm-up over: stop it
+        runner.cancel_warmup()
+
+
+def _serve(args: argparse.Namespace, handle, engine_cfg, server_cfg) -> int:
+    import asyncio
+
+    import jax
+
+    from jaxserve.runner import compile_counter
+    from jaxserve.server.server import Server
+
     print(f"jaxserve: {handle.plan.platform}: {handle.numerics}", flush=True)
     print(f"jaxserve: {handle.plan.budgets}", flush=True)
     runner = handle.engine.runner

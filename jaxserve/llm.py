@@ -85,7 +85,7 @@ class LLM:
         if config is not None and engine_options:
             raise ConfigError("give either config= or engine options, not both")
         self.config = config or EngineConfig.from_options(model=model, **engine_options)
-        self.handle: EngineHandle = assemble(self.config, progress)
+        self.handle: EngineHandle = assemble(self.config, progress, warmup=warmup)
         h = self.handle
         self.engine, self.tokenizer, self.model_config, self.plan = h.engine, h.tokenizer, h.model_config, h.plan
         # The parts, for tests and benchmarks that look inside.

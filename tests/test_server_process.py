@@ -12,12 +12,13 @@ import threading
 from jaxserve.client import Client, wait_until_serving
 
 
-def _start(tiny_model_dir, *settings: str, stderr=subprocess.STDOUT) -> subprocess.Popen:
+def _start(tiny_model_dir, *settings: str, stderr=subprocess.STDOUT, cache_dir=None) -> subprocess.Popen:
     from pathlib import Path
 
     path, _ = tiny_model_dir("llama3")
     cfg = Path(__file__).resolve().parent.parent / "configs" / "test-tiny.yaml"
-    cmd = [sys.executable, "-m", "jaxserve.cli", "run", "--config", str(cfg), "--set", f"model={path}", "--quiet"]
+    cmd = [sys.executable, "-m", "jaxserve.cli"] + (["--cache-dir", str(cache_dir)] if cache_dir else [])
+    cmd += ["run", "--config", str(cfg), "--set", f"model={path}", "--quiet"]
     for s in settings:
         cmd += ["--set", s]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
@@ -76,8 +77,10 @@ def test_sigterm_drains_active_streams_and_exits_0(tiny_model_dir):
             proc.kill()
 
 
-def test_ctrl_c_during_warm_up_exits_quietly(tiny_model_dir):
-    proc = _start(tiny_model_dir, "server.warmup=true", stderr=subprocess.PIPE)
+def test_ctrl_c_during_warm_up_exits_quietly(tiny_model_dir, tmp_path):
+    # An empty program store: the warm-up compiles every program (seconds), so it is still
+    # running when the signal comes (it starts before the tokenizer loads).
+    proc = _start(tiny_model_dir, "server.warmup=true", stderr=subprocess.PIPE, cache_dir=tmp_path)
     try:
         _wait_for_line(proc, r"listening on .*; warming up")
         proc.send_signal(signal.SIGINT)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import pickle
 import threading
@@ -278,11 +279,16 @@ def _name(key: tuple) -> str:
     return "/".join(map(str, key))
 
 
-def _in_background(fn) -> concurrent.futures.Future:
+class _WarmupCancelled(Exception):
+    """Ends a warm-up that ``ModelRunner.cancel_warmup`` stopped."""
+
+
+def _in_background(fn, name: str) -> concurrent.futures.Future:
     """``fn()`` on a thread of its own. Not a daemon: the interpreter ends a daemon thread
     wherever it is, and one inside an XLA call aborts the process (a script that ends right
     after building an ``LLM`` without warm-up did: "terminate called ...", exit 134). Exit
-    waits for ``fn`` instead: about a second at most (zeroing the KV cache)."""
+    waits for ``fn`` instead: about a second at most (zeroing the KV cache; a warm-up is
+    cancelled first, ``ModelRunner.cancel_warmup``)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:
@@ -291,7 +297,7 @@ def _in_background(fn) -> concurrent.futures.Future:
         except BaseException as e:
             future.set_exception(e)
 
-    threading.Thread(target=run, name="jaxserve-kv-cache").start()
+    threading.Thread(target=run, name=name).start()
     return future
 
 
@@ -353,7 +359,7 @@ class ModelRunner:
         self._kv_spec = new_kv_cache.out_info  # the cache's shapes and placement, to compile against
         # Zeroing the cache (2 GB for SmolLM2's default config: 0.5-1.5 s on 2 cores) runs on a
         # thread of its own while the warm-up loads the programs; the first use waits for it.
-        self._kv_cache = _in_background(new_kv_cache)
+        self._kv_cache = _in_background(new_kv_cache, "jaxserve-kv-cache")
         self.token_buckets, self.seq_buckets = cfg.buckets
         # What each of these closes over is its context in the store (``_contexts`` above).
         self._forward = jax.jit(make_forward(self.graphdef, cfg.attention_backend), donate_argnums=(1,))
@@ -366,6 +372,8 @@ class ModelRunner:
         self._feed_tokens = self._no_feed  # the last step's samples, padded (see make_sample)
         self._no_mask: dict[int, jax.Array] = {}  # sequence bucket -> all-ones token bitmask
         self.recording: list[StepInputs] | None = None  # a list: every step's inputs go in it
+        self._warming: concurrent.futures.Future | None = None  # start_warmup's, until warmup
+        self._cancel = threading.Event()  # set: a started warm-up stops (cancel_warmup)
 
     @property
     def kv_cache(self):
@@ -541,7 +549,43 @@ class ModelRunner:
         self.kv_cache, logits = self._forward(self.state, self.kv_cache, md, b.feed_rows, self._no_feed)
         return np.asarray(logits)[: b.num_tokens]
 
+    def start_warmup(self, progress: bool = True) -> None:
+        """Begins ``warmup`` on a thread of its own; the next ``warmup`` call waits for it
+        (re-raising what it raised). A start runs it beside the tokenizer's load, which is
+        mostly Python (importing transformers) while a warm-up is mostly XLA and oneDNN,
+        outside the GIL: on a 2-core Zen 4, ~1.2 s of tokenizer and ~1.1 s of warm-up.
+        Until that call the runner is the warm-up's: nothing else may step it. One process
+        only (a multi-host warm-up's step is replayed by the followers, which start later)."""
+        if self.channel is not None:
+            raise RuntimeError("a multi-host runner warms up in the serving thread (warmup)")
+        if self._warming is None:
+            self._warming = _in_background(functools.partial(self._warm, progress), "jaxserve-warmup")
+
+    def cancel_warmup(self) -> None:
+        """Stops a started warm-up before its next program or kernel set-up, and waits for
+        it: what a failed or interrupted start does, so no thread is left compiling (at most
+        one program's compile is waited for)."""
+        warming, self._warming = self._warming, None
+        if warming is not None:
+            self._cancel.set()
+            concurrent.futures.wait([warming])
+            self._cancel.clear()
+
+    def _check_cancel(self) -> None:
+        if self._cancel.is_set():
+            raise _WarmupCancelled()
+
     def warmup(self, progress: bool = True) -> None:
+        """The warm-up ``start_warmup`` began (waited for), or else now, on this thread."""
+        if self._warming is None:
+            self._warm(progress)
+            return
+        try:
+            self._warming.result()
+        finally:  # done: forgets it; interrupted (Ctrl-C): stops it first
+            self.cancel_warmup()
+
+    def _warm(self, progress: bool) -> None:
         """``compile_ahead``; on the CPU, the matmul kernel's set-up for every count of rows
         a step can compute (``cpu_matmul.prepare``: a primitive per row count and weight,
         built on first use, ~2-8 ms a count for SmolLM2's layers, and on AMX the bits of its
@@ -560,8 +604,10 @@ class ModelRunner:
         seqs = {s for _, s in self.cfg.bucket_pairs}  # the LM head's rows (and the last layer's)
         tokens = {t for t, _ in self.cfg.bucket_pairs} | seqs
         for k, n, dtype, swiglu, head in self._matmul_calls:
+            self._check_cancel()
             for m in sorted(seqs if head else tokens):
                 cpu_matmul.prepare(m, k, n, dtype, swiglu)
+        self._check_cancel()
         t, s = self.cfg.bucket_pairs[-1]
         self.execute(bucket_seqs(self.cfg, t, s), greedy(s))
 
@@ -610,6 +656,7 @@ class ModelRunner:
                 self._programs.update((key, p) for (key, _), p in zip(todo, found, strict=True) if p is not None)
         programs = []
         for key, fn, args in jobs:
+            self._check_cancel()
             programs.append(self._program(key, fn, *args))
             bar.update()
         return programs

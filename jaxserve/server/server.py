@@ -104,6 +104,7 @@ class Server:
         try:
             await self._start()
         except BaseException:
+            gc.unfreeze()  # frozen during warm-up (_start): this start's objects may go
             self.engine_thread.release()
             if self._server is not None:
                 await self._server.stop(None)
@@ -153,22 +154,23 @@ class Server:
         self.engine_thread.start(warmup)
         if self._http_socket is not None:  # while the engine warms up: /health answers 503 until SERVING
             await self._serve_http()
-        # Polled rather than awaited in an executor: Ctrl-C during warm-up must not wait for
-        # a thread pool that is blocked until warm-up ends.
-        while not self.engine_thread.ready:
-            await asyncio.sleep(0.05)
-        self.engine_thread.wait_ready()  # re-raises a failed warm-up
-        if self.before_serving is not None:
-            await self.before_serving()
         # Python's full collections walk every object that survived the last one: after
-        # warm-up ~240,000 (JAX, the model, the tokenizer), and two of them took 175 and 97
+        # start-up ~240,000 (JAX, the model, the tokenizer), and two of them took 175 and 97
         # ms in one 16-stream run, every thread that needed the interpreter stopped, the
         # engine's included (SmolLM2, 2-core Xeon). Frozen, those objects are never walked
         # again (vLLM does the same); what the start made and dropped is collected first
-        # (~80 ms). Unfrozen at the end of the drain, so a process that starts another
-        # server (tests, notebooks) can collect this one's cycles.
+        # (~80 ms: done here, while warm-up still runs, rather than after it). Unfrozen at
+        # the end of the drain, so a process that starts another server (tests, notebooks)
+        # can collect this one's cycles.
         gc.collect()
         gc.freeze()
+        # Polled rather than awaited in an executor: Ctrl-C during warm-up must not wait for
+        # a thread pool that is blocked until warm-up ends.
+        while not self.engine_thread.ready:
+            await asyncio.sleep(0.01)
+        self.engine_thread.wait_ready()  # re-raises a failed warm-up
+        if self.before_serving is not None:
+            await self.before_serving()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._serving = True
 
