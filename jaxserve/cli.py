@@ -48,12 +48,19 @@ def _serve(args: argparse.Namespace, handle, engine_cfg, server_cfg) -> int:
     import asyncio
 
     import jax
+    from tqdm.auto import tqdm
 
     from jaxserve.runner import compile_counter
     from jaxserve.server.server import Server
 
-    print(f"jaxserve: {handle.plan.platform}: {handle.numerics}", flush=True)
-    print(f"jaxserve: {handle.plan.budgets}", flush=True)
+    def say(line: str) -> None:
+        """A line printed while the warm-up's progress bar may be drawn (it started inside
+        ``assemble``): above the bar, not glued to its end."""
+        tqdm.write(line, file=sys.stdout)
+        sys.stdout.flush()
+
+    say(f"jaxserve: {handle.plan.platform}: {handle.numerics}")
+    say(f"jaxserve: {handle.plan.budgets}")
     runner = handle.engine.runner
     if jax.process_index() != 0:  # multi-host follower: replay process 0's steps
         runner.compile_ahead(progress=not args.quiet)
@@ -78,9 +85,7 @@ def _serve(args: argparse.Namespace, handle, engine_cfg, server_cfg) -> int:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
-        server.on_bound = lambda: print(
-            f"jaxserve: listening on {server_cfg.host}:{server.port}; warming up", flush=True
-        )
+        server.on_bound = lambda: say(f"jaxserve: listening on {server_cfg.host}:{server.port}; warming up")
         try:
             await server.start()
         except asyncio.CancelledError:
