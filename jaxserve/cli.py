@@ -45,6 +45,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, handle, engine_cfg, server_cfg) -> int:
+    """Reports the plan, then serves until SIGTERM / SIGINT (a multi-host follower replays
+    process 0's steps instead); the exit code."""
     import asyncio
 
     import jax
