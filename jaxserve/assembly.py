@@ -136,7 +136,7 @@ def assemble(cfg: EngineConfig, progress: bool = True, warmup: bool = False) -> 
     # The runner first: it starts zeroing the KV cache (and warming up) on threads of its
     # own, which the tokenizer's load (mostly importing transformers) then overlaps.
     runner = ModelRunner(model, plan.runner, program_dir)
-    if warmup and runner.channel is None:
+    if warmup:
         runner.start_warmup(progress)
     try:
         tokenizer = ckpt.tokenizer()

@@ -554,11 +554,10 @@ class ModelRunner:
         (re-raising what it raised). A start runs it beside the tokenizer's load, which is
         mostly Python (importing transformers) while a warm-up is mostly XLA and oneDNN,
         outside the GIL: on a 2-core Zen 4, ~1.2 s of tokenizer and ~1.1 s of warm-up.
-        Until that call the runner is the warm-up's: nothing else may step it. One process
-        only (a multi-host warm-up's step is replayed by the followers, which start later)."""
-        if self.channel is not None:
-            raise RuntimeError("a multi-host runner warms up in the serving thread (warmup)")
-        if self._warming is None:
+        Until that call the runner is the warm-up's: nothing else may step it. A multi-host
+        runner starts nothing here: its warm-up step is replayed by the followers, which
+        start later, so ``warmup`` runs it on its caller's thread, as before."""
+        if self.channel is None and self._warming is None:
             self._warming = _in_background(functools.partial(self._warm, progress), "jaxserve-warmup")
 
     def cancel_warmup(self) -> None:
