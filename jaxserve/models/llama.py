@@ -206,6 +206,7 @@ class DecoderLayer(nnx.Module):
     def __call__(
         self,
         x: jax.Array,  # [T, E]
+        pending: jax.Array | None,
         kv_cache: jax.Array,
         layer: jax.Array,  # [] int32
         sliding_window: jax.Array,  # [] int32
@@ -214,8 +215,14 @@ class DecoderLayer(nnx.Module):
         md: AttentionMetadata,
         backend: AttentionBackend,
         logits_rows_only: bool = False,
-    ) -> tuple[jax.Array, jax.Array]:
-        """``logits_rows_only``: every token's K and V are written, but attention and all
+    ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """Returns (x, pending, kv_cache). With the norms in kernels (norms_in_kernel),
+        ``pending`` is the MLP's output of the layer before, as ``matmul_slices`` gave it,
+        not yet added to x: the first norm adds it in its own pass over the rows (XLA's
+        add had been a pass of its own, ~2% of a 500-token prefill), and this layer hands
+        on its own MLP output the same way. Otherwise None, in and out.
+
+        ``logits_rows_only``: every token's K and V are written, but attention and all
         after it run for the rows of ``md.logits_indices`` only (the model's last layer:
         no layer reads the other rows' output); returns those rows, [S, E]."""
         cfg = self.cfg
@@ -228,7 +235,7 @@ class DecoderLayer(nnx.Module):
         attend = dict(sm_scale=cfg.head_dim**-0.5, out_dtype=self.o_input(), logits_rows_only=logits_rows_only)
         with jax.named_scope("attention"):
             if kernels_norm:
-                h = cpu_matmul.rms_norm(x, self.input_norm[...], eps, self.packed)
+                x, h = cpu_matmul.add_rms_norm(x, pending, self.input_norm[...], eps, self.packed)
             else:
                 h = rms_norm(x, self.input_norm[...], eps)
             if self.rope_in_attention(x, backend):
@@ -268,8 +275,11 @@ class DecoderLayer(nnx.Module):
             # Added in float32, as it left the matmul: the oneDNN SwiGLU's output is bfloat16
             # (down_proj's input), and rounding down_proj's output to it too put these logits
             # 4x further from XLA's (test_onednn_layers_add_their_outputs_to_x_in_float32).
+            if kernels_norm:  # added by the next norm
+                n = self.shapes["down_proj"][1]
+                return x, cpu_matmul.matmul_slices(gated, self.down_proj[...], layer, n, self.packed, rows), kv_cache
             x = x + self.linear(gated, "down_proj", layer, x.dtype, rows)
-        return x, kv_cache
+        return x, None, kv_cache
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -352,12 +362,20 @@ class LlamaForCausalLM(nnx.Module):
         # the stack that leaving out the last layer would copy).
         graphdef, packed, layer_state = nnx.split(self.layers, is_packed, ...)
 
-        def run_layer(h, cache, layer, window, logits_rows_only=False):
+        def run_layer(h, pending, cache, layer, window, logits_rows_only=False):
             block = nnx.merge(graphdef, packed, jax.tree.map(lambda a: a[layer], layer_state))
-            return block(h, cache, layer, window, cos, sin, md, backend, logits_rows_only)
+            return block(h, pending, cache, layer, window, cos, sin, md, backend, logits_rows_only)
 
         def body(carry, xs):
             return run_layer(*carry, *xs), None
+
+        # The first layer's pending MLP output (DecoderLayer): negative zeros, as x + -0.0
+        # is x, bit for bit (+0.0 would turn a -0.0 of x into +0.0).
+        pending = None
+        if self.layers.norms_in_kernel(x):
+            e, dtype = cfg.hidden_size, self.layers.o_input()
+            s = cpu_matmul.slices(e, dtype)
+            pending = jnp.full((s, x.shape[0], e // s), -0.0, jnp.float32)
 
         layer_ids = np.arange(cfg.num_layers, dtype=np.int32)
         windows = np.asarray(cfg.sliding_windows, np.int32)
@@ -367,10 +385,14 @@ class LlamaForCausalLM(nnx.Module):
         last_rows_only = self.last_layer_rows_only and md.logits_indices.shape[0] < md.input_ids.shape[0]
         scanned = cfg.num_layers - 1 if last_rows_only else cfg.num_layers
         xs = (jnp.asarray(layer_ids[:scanned]), jnp.asarray(windows[:scanned]))
-        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), xs)
+        (x, pending, kv_cache), _ = jax.lax.scan(body, (x, pending, kv_cache), xs)
         if last_rows_only:
-            x, kv_cache = run_layer(x, kv_cache, jnp.int32(scanned), jnp.int32(windows[scanned]), True)
-        else:
+            x, pending, kv_cache = run_layer(
+                x, pending, kv_cache, jnp.int32(scanned), jnp.int32(windows[scanned]), True
+            )
+        if pending is not None:
+            x = x + cpu_matmul.join_slices(pending)
+        if not last_rows_only:
             x = x[md.logits_indices]
         x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
         if self.packed_head:
