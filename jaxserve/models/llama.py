@@ -174,6 +174,12 @@ class DecoderLayer(nnx.Module):
             return dot(x, weight(w, self.weight_dtype)).astype(out_dtype)
         return cpu_matmul.matmul(x, w, layer, self.shapes[name][1], self.packed, rows).astype(out_dtype)
 
+    def product_slices(self, x: jax.Array, name: str, layer: jax.Array, rows) -> jax.Array:
+        """``linear`` of oneDNN weight ``name`` as the kernel stores it, by column slice
+        (``cpu_matmul.matmul_slices``), for a kernel that reads it so (attention's q|k|v,
+        ``add_rms_norm``'s residual) instead of an XLA pass joining the slices."""
+        return cpu_matmul.matmul_slices(x, getattr(self, name)[...], layer, self.shapes[name][1], self.packed, rows)
+
     def o_input(self) -> str | None:
         """The dtype o_proj reads the attention output in, where its kernel casts it (oneDNN
         weights: their dtype), else None: attention then returns it as bfloat16 itself
@@ -240,8 +246,7 @@ class DecoderLayer(nnx.Module):
                 h = rms_norm(x, self.input_norm[...], eps)
             if self.rope_in_attention(x, backend):
                 # q, k and v stay in the product: the attention kernel reads (and rotates) them there.
-                n = self.shapes["qkv_proj"][1]
-                product = cpu_matmul.matmul_slices(h, self.qkv_proj[...], layer, n, self.packed, rows)
+                product = self.product_slices(h, "qkv_proj", layer, rows)
                 qkv = QkvProduct(product, cos, sin, cfg.num_heads, cfg.num_kv_heads)
                 o, kv_cache = backend.write_and_attend_product(qkv, kv_cache, layer, md, sliding_window, **attend)
             else:
@@ -259,8 +264,7 @@ class DecoderLayer(nnx.Module):
                 x, t = x[md.logits_indices], o.shape[0]
                 rows = t if md.num_logits is None else md.num_logits
             if kernels_norm:
-                n = self.shapes["o_proj"][1]
-                product = cpu_matmul.matmul_slices(o.reshape(t, -1), self.o_proj[...], layer, n, self.packed, rows)
+                product = self.product_slices(o.reshape(t, -1), "o_proj", layer, rows)
                 x, h = cpu_matmul.add_rms_norm(x, product, self.post_attention_norm[...], eps, self.packed)
             else:
                 x = x + self.linear(o.reshape(t, -1), "o_proj", layer, x.dtype)
@@ -276,8 +280,7 @@ class DecoderLayer(nnx.Module):
             # (down_proj's input), and rounding down_proj's output to it too put these logits
             # 4x further from XLA's (test_onednn_layers_add_their_outputs_to_x_in_float32).
             if kernels_norm:  # added by the next norm
-                n = self.shapes["down_proj"][1]
-                return x, cpu_matmul.matmul_slices(gated, self.down_proj[...], layer, n, self.packed, rows), kv_cache
+                return x, self.product_slices(gated, "down_proj", layer, rows), kv_cache
             x = x + self.linear(gated, "down_proj", layer, x.dtype, rows)
         return x, None, kv_cache
 
