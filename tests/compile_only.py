@@ -145,17 +145,19 @@ def config_compiler(config: str, topology: str, arch: str = "llama3-8b", overrid
     return aot.StepCompiler(aot.plan_for(engine_cfg, aot.model_config(arch), tgt), tgt)
 
 
-def compile_every_bucket(compiler: aot.StepCompiler, pairs=None) -> tuple[list, list]:
+def compile_every_bucket(compiler: aot.StepCompiler, pairs=None, penalties: bool = True) -> tuple[list, list]:
     """Forward programs of every bucket pair (or of ``pairs``), samplers of every sequence
-    bucket, and the penalised sampler at the largest one (the same program as at smaller
-    buckets, with the largest token history: compiling each would add ~1 min to CI for no
-    new rule; `jaxserve compile` reports every one)."""
+    bucket, and (``penalties``) the penalised sampler at the largest one (the same program
+    as at smaller buckets, with the largest token history: compiling each would add ~1 min
+    to CI for no new rule; `jaxserve compile` reports every one)."""
     pairs = pairs or compiler.plan.runner.bucket_pairs
     # One at a time: compiling (or lowering) step programs on several threads at once
     # crashed libtpu here (a segfault in a full CI run), so no thread pool.
     forwards = [compiler.compile_forward(*pair) for pair in pairs]
     seqs = sorted({s for _, s in pairs})
-    samplers = [compiler.compile_sample(s) for s in seqs] + [compiler.compile_sample(seqs[-1], penalties=True)]
+    samplers = [compiler.compile_sample(s) for s in seqs]
+    if penalties:
+        samplers.append(compiler.compile_sample(seqs[-1], penalties=True))
     return forwards, samplers
 
 

@@ -97,11 +97,13 @@ def test_shipped_tpu_configs_compile_their_largest_bucket_pair(config, topology)
     (tests/test_docs.py); the v6e config's largest pair (~50 s) and every pair of either
     (~2.5 min each) are left to `jaxserve compile --config configs/<config> --topology
     <topology> --arch llama3-8b`, to keep CI's time. The kernels' own rules per chip are
-    checked over the shape table above."""
+    checked over the shape table above. The penalised sampler is left to the dry runs, which
+    compile it at the smallest bucket for both configs (~11 s here at the largest, a
+    quarter of this test, for the same program with a longer token history)."""
     compiler = config_compiler(config, topology)
     assert compiler.plan.backend.name == "pallas_tpu" and compiler.plan.kv_dtype == "bfloat16"
     pairs = [max(compiler.plan.runner.bucket_pairs)]
-    forwards, samplers = compile_every_bucket(compiler, pairs)
+    forwards, samplers = compile_every_bucket(compiler, pairs, penalties=False)
     assert len(forwards) == 1 and samplers
     check_step_reports(compiler, forwards, pairs)
     # The step that scores prompts (every row's logits, log-softmax and top-n: [512, 128256]
