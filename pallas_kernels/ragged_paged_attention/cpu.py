@@ -1,7 +1,7 @@
 """Ragged paged attention on the CPU: a C++ kernel (``cpu_kernel.cc``) called through
 XLA's FFI, for the decode and prefill attention that XLA:CPU runs slowly in pure JAX
-(its gathers and tiny batched matmuls cost ~0.5 ns per element; see the README's
-Performance section).
+(its gathers and tiny batched matmuls cost ~0.5 ns per element; see docs/performance.md,
+"Earlier figures").
 
 Same contract and KV layout as ``reference.py``; ``write_kv`` is the reference's XLA
 scatter, a bfloat16 cache is held as its bits (``reference.storage_dtype``), and an
