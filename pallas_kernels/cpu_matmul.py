@@ -333,10 +333,17 @@ def matmul_slices(
     column slice's product dense (``join_slices`` makes it ``[M, N]``)."""
     _checked()
     dtype = ml_dtypes.bfloat16 if jnp.dtype(dtype).name == "bfloat16" else jnp.float32
-    s, m = slices(n, dtype), x.shape[0]
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((s, m, n // s), jnp.float32))(
+    m = x.shape[0]
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(slices_shape(m, n, dtype), jnp.float32))(
         x.astype(dtype), packed, jnp.asarray(layer, jnp.int32).reshape(()), _rows_in_use(rows, m)
     )
+
+
+def slices_shape(m: int, n: int, dtype) -> tuple[int, int, int]:
+    """The shape ``matmul_slices`` gives an ``[M, N]`` product of an ``n``-wide ``dtype``
+    weight: ``[slices, M, N / slices]``."""
+    s = slices(n, dtype)
+    return s, m, n // s
 
 
 def join_slices(out: jax.Array) -> jax.Array:

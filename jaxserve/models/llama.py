@@ -376,9 +376,8 @@ class LlamaForCausalLM(nnx.Module):
         # is x, bit for bit (+0.0 would turn a -0.0 of x into +0.0).
         pending = None
         if self.layers.norms_in_kernel(x):
-            e, dtype = cfg.hidden_size, self.layers.o_input()
-            s = cpu_matmul.slices(e, dtype)
-            pending = jnp.full((s, x.shape[0], e // s), -0.0, jnp.float32)
+            shape = cpu_matmul.slices_shape(x.shape[0], cfg.hidden_size, self.layers.o_input())
+            pending = jnp.full(shape, -0.0, jnp.float32)
 
         layer_ids = np.arange(cfg.num_layers, dtype=np.int32)
         windows = np.asarray(cfg.sliding_windows, np.int32)
