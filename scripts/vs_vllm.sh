@@ -14,7 +14,8 @@
 #             (vLLM's server runs its engine in another process, which the patch of
 #             --no-amx does not reach)
 # Prints the CPU model first: state it with every figure. The serving lines' "itl" columns
-# are p50, p90, p99 and mean (ms).
+# are p50, p90, p99 and mean (ms). Last, the same figures as one table per round with
+# jaxserve against vLLM (scripts/vs_vllm_table.py, which also reads a saved log).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM=${VLLM:-/tmp/vllm} MODEL=${MODEL:-/tmp/smollm2-hf} J=.venv/bin/jaxserve
@@ -50,6 +51,9 @@ settle() {
   sleep 30
 }
 
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+{
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs), family $(grep -m1 'cpu family' /proc/cpuinfo | cut -d: -f2 | xargs) model $(grep -m1 '^model\s' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; $(grep -o -E 'amx_bf16|avx512_bf16' /proc/cpuinfo | sort -u | xargs)${no_amx:+; as without AMX}"
 for r in $(seq 1 "$rounds"); do
   for dt in bfloat16 float32; do
@@ -78,3 +82,6 @@ for r in $(seq 1 "$rounds"); do
   pkill -f "jaxserve run --config configs/smollm2-135m.yaml" || true
   settle "jaxserve run --config configs/smollm2-135m.yaml"
 done
+} | tee "$log"
+echo
+.venv/bin/python scripts/vs_vllm_table.py "$log"

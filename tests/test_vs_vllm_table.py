@@ -1,0 +1,58 @@
+"""scripts/vs_vllm_table.py: a scripts/vs_vllm.sh log (as the script prints it) becomes one
+table per round, with vLLM's best run against jaxserve's."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+_PATH = Path(__file__).resolve().parent.parent / "scripts" / "vs_vllm_table.py"
+_spec = importlib.util.spec_from_file_location("vs_vllm_table", _PATH)
+vs_vllm_table = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vs_vllm_table)
+
+# A round of 2026-12-06 on a 2-core Zen 4, as vs_vllm.sh --serve printed it.
+LOG = """\
+cpu: AMD EPYC, family 25 model 17, 2 cores; avx512_bf16
+round 1 offline bfloat16: jaxserve 322.2 output tok/s (outputs 98b80c5132dc)
+round 1 offline bfloat16: vLLM 260.6/268.5/270.9 output tok/s (3 runs)
+round 1 offline float32: jaxserve 162.1 output tok/s (outputs 78e5a9677d88)
+round 1 offline float32: vLLM 139.1/146.7/151.3 output tok/s (3 runs)
+round 1 latency bfloat16: jaxserve prefill 500 tokens: 348 ms (1435 tok/s) decode at batch 1: 15.6 ms/token (64.1 tok/s)
+round 1 latency bfloat16: vLLM prefill 500 tokens 364 ms, decode 27.7 ms/token then prefill 500 tokens 356 ms, \
+decode 26.5 ms/token
+round 1 16 streams, vLLM OpenAI HTTP: [all] 64 requests (0 errors) in 19.2s: output 212.9 tok/s, total 878.1 tok/s, \
+prefix-cache hit rate 0.0% itl 42.6 47.7 640.4 51.1
+round 1 16 streams, jaxserve 127.0.0.1:50051: [all] 64 requests (0 errors) in 14.8s: output 277.6 tok/s, total \
+1145.0 tok/s, prefix-cache hit rate 0.0% itl 33.2 73.2 81.7 46.9
+round 1 16 streams, jaxserve http://127.0.0.1:8000: [all] 64 requests (0 errors) in 16.4s: output 249.2 tok/s, total \
+1028.0 tok/s, prefix-cache hit rate 0.0% itl 39.8 84.6 92.2 53.0
+"""
+
+
+def test_a_round_becomes_rows_with_vllms_best_against_ours():
+    cpu, rounds = vs_vllm_table.parse(LOG.splitlines())
+    assert cpu.startswith("cpu: AMD EPYC, family 25 model 17") and list(rounds) == [1]
+    rows = dict(
+        (line.split(" | ")[0].lstrip("| "), line.rstrip(" |").split(" | ")[1:])
+        for line in vs_vllm_table.table(cpu, rounds).splitlines()
+        if line.startswith("| ") and not line.startswith("| workload")
+    )
+    assert rows["offline bfloat16"] == ["260.6/268.5/270.9", "322.2 (outputs 98b80c5132dc)", "1.19x"]
+    assert rows["offline float32"][2] == "1.07x"  # 162.1 against the best, 151.3
+    assert rows["first token, 500-token prompt"] == ["364 ms / 356 ms", "348 ms", "0.98x vLLM's time"]
+    assert rows["lone decode"][2] == "1.70x"  # vLLM's better run, 26.5 ms/token, over 15.6
+    assert rows["16 streams, jaxserve gRPC"] == [
+        "212.9 tok/s; ITL p50 / p99 42.6 / 640.4 ms",
+        "277.6 tok/s; ITL p50 / p99 33.2 / 81.7 ms",
+        "1.30x; p99 2.5x p50",
+    ]
+    assert rows["16 streams, jaxserve HTTP"][2] == "1.17x; p99 2.3x p50"
+
+
+def test_a_round_without_vllms_side_says_so_instead_of_a_ratio():
+    cpu, rounds = vs_vllm_table.parse(LOG.splitlines()[:2])
+    assert (
+        vs_vllm_table.table(cpu, rounds).splitlines()[-1]
+        == "| offline bfloat16 | - | 322.2 (outputs 98b80c5132dc) | - |"
+    )
