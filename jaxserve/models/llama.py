@@ -180,6 +180,13 @@ class DecoderLayer(nnx.Module):
         ``add_rms_norm``'s residual) instead of an XLA pass joining the slices."""
         return cpu_matmul.matmul_slices(x, getattr(self, name)[...], layer, self.shapes[name][1], self.packed, rows)
 
+    def first_pending(self, m: int) -> jax.Array:
+        """What the first layer's norm adds in place of a layer before's MLP output (the
+        shape of this layer's down_proj ``product_slices`` for ``m`` rows): negative zeros,
+        as x + -0.0 is x, bit for bit (+0.0 would turn a -0.0 of x into +0.0)."""
+        shape = cpu_matmul.slices_shape(m, self.shapes["down_proj"][1], self.packed)
+        return jnp.full(shape, -0.0, jnp.float32)
+
     def o_input(self) -> str | None:
         """The dtype o_proj reads the attention output in, where its kernel casts it (oneDNN
         weights: their dtype), else None: attention then returns it as bfloat16 itself
@@ -372,12 +379,7 @@ class LlamaForCausalLM(nnx.Module):
         def body(carry, xs):
             return run_layer(*carry, *xs), None
 
-        # The first layer's pending MLP output (DecoderLayer): negative zeros, as x + -0.0
-        # is x, bit for bit (+0.0 would turn a -0.0 of x into +0.0).
-        pending = None
-        if self.layers.norms_in_kernel(x):
-            shape = cpu_matmul.slices_shape(x.shape[0], cfg.hidden_size, self.layers.o_input())
-            pending = jnp.full(shape, -0.0, jnp.float32)
+        pending = self.layers.first_pending(x.shape[0]) if self.layers.norms_in_kernel(x) else None
 
         layer_ids = np.arange(cfg.num_layers, dtype=np.int32)
         windows = np.asarray(cfg.sliding_windows, np.int32)
