@@ -95,7 +95,7 @@ def build(
     """
     compiler = find_compiler()
     key = hashlib.sha256()
-    headers = sorted(ROOT.glob("*.h"))
+    headers = sorted(ROOT.rglob("*.h"))  # the kernels' own folders' too
     parts = (*(p.read_bytes() for p in (*sources, *headers)), " ".join([compiler, *FLAGS, *compile_args, *link_args]))
     for part in (*parts, jaxlib.__version__, cpu_flags(), *key_parts):
         key.update(part if isinstance(part, bytes) else part.encode())

@@ -69,6 +69,20 @@ def test_a_failed_compile_names_its_source(tmp_path, logged_compiler):
     assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-built is left to load
 
 
+def test_a_changed_header_in_a_kernels_folder_rebuilds_the_library(tmp_path, logged_compiler, monkeypatch):
+    """The library's key covers every header under pallas_kernels/, the attention kernel's
+    own folder included (its parts are headers there): a stale library must never load."""
+    root = tmp_path / "pallas_kernels"
+    (root / "kernel").mkdir(parents=True)
+    header, source = root / "kernel" / "part.h", root / "kernel" / "kernel.cc"
+    source.write_text('#include "part.h"\nextern "C" int Value() { return VALUE; }\n')
+    monkeypatch.setattr(cpu_build, "ROOT", root)
+    header.write_text("#define VALUE 1\n")
+    assert cpu_build.build((source,), "test_lib_header").Value() == 1
+    header.write_text("#define VALUE 2\n")
+    assert cpu_build.build((source,), "test_lib_header").Value() == 2
+
+
 # The kernels take other paths (#if) on AVX2, on AVX-512 with and without bfloat16 and with
 # AMX; a build covers only its own machine's. A change that compiled here once broke every
 # AVX-512 build (a function defined for AVX2 without AVX-512 only, called from code that
