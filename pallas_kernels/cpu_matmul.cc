@@ -37,39 +37,26 @@
 // elementwise half). Here: the FFI calls (Matmul, MatmulSwiGlu, AddRmsNorm) and the
 // functions cpu_matmul.py calls through ctypes.
 
-#include <omp.h>
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
-#include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <tuple>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "oneapi/dnnl/dnnl.hpp"
-#include "pallas_kernels/cpu_amx.h"
 #include "pallas_kernels/cpu_bf16.h"
-#include "pallas_kernels/cpu_exp.h"
 #include "pallas_kernels/cpu_matmul_execute.h"
 #include "pallas_kernels/cpu_matmul_layout.h"
 #include "pallas_kernels/cpu_matmul_rows.h"
-#include "pallas_kernels/cpu_panels.h"
 #include "pallas_kernels/cpu_swiglu.h"
 #include "pallas_kernels/cpu_threads.h"
 #include "xla/ffi/api/ffi.h"
