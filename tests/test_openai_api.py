@@ -245,28 +245,24 @@ def test_logprobs_tokens_add_up_to_the_text_with_a_sentencepiece_tokenizer():
     from types import SimpleNamespace
 
     from jaxserve.engine.structured import GrammarCompiler
-    from jaxserve.server.openai_api import OpenAIServer
+    from jaxserve.server.openai_reply import ReplyFormatter
 
     tok = _sentencepiece_style_tokenizer()
     grammars = GrammarCompiler(tok, None, {tok.eos_token_id})
-    handle = SimpleNamespace(tokenizer=tok, token_bytes=grammars.token_bytes)
-    server = OpenAIServer(handle, None, "sp", ServerConfig(port=0), lambda: "serving")
-    try:
-        prompt, generated = (
-            tok.encode("Paris", add_special_tokens=False),
-            tok.encode("of Paris 日", add_special_tokens=False),
-        )
-        whole = tok.decode(prompt + generated)
-        assert whole == "Paris of Paris 日" and len(generated) == 6  # ▁of ▁Paris ▁ <0xE6> <0x97> <0xA5>
-        lps = [-1.0] * len(generated)
-        chat = server._chat_logprobs(generated, lps, [[]] * len(generated))["content"]
-        assert [e["token"] for e in chat[:3]] == [" of", " Paris", " "]
-        assert b"".join(bytes(e["bytes"]) for e in chat).decode() == whole[len("Paris") :]
-        completion = server._completion_logprobs(generated, lps, [None] * len(generated), len("Paris"))
-        assert "".join(completion["tokens"][:3]) == " of Paris "
-        assert completion["text_offset"][:3] == [5, 8, 14]
-    finally:
-        server.close()
+    reply = ReplyFormatter(SimpleNamespace(tokenizer=tok, token_bytes=grammars.token_bytes))
+    prompt, generated = (
+        tok.encode("Paris", add_special_tokens=False),
+        tok.encode("of Paris 日", add_special_tokens=False),
+    )
+    whole = tok.decode(prompt + generated)
+    assert whole == "Paris of Paris 日" and len(generated) == 6  # ▁of ▁Paris ▁ <0xE6> <0x97> <0xA5>
+    lps = [-1.0] * len(generated)
+    chat = reply.chat_logprobs(generated, lps, [[]] * len(generated))["content"]
+    assert [e["token"] for e in chat[:3]] == [" of", " Paris", " "]
+    assert b"".join(bytes(e["bytes"]) for e in chat).decode() == whole[len("Paris") :]
+    completion = reply.completion_logprobs(generated, lps, [None] * len(generated), len("Paris"))
+    assert "".join(completion["tokens"][:3]) == " of Paris "
+    assert completion["text_offset"][:3] == [5, 8, 14]
 
 
 def test_null_is_a_fields_default_as_in_openais_api(api):

@@ -1,0 +1,202 @@
+"""The OpenAI API's wire types: its request bodies as pydantic models, and its error.
+
+Bodies ignore unknown fields, as OpenAI's API does, take null for an optional field as its
+default, and are strict about types (``true`` is not token id 1). Every refusal is an
+``APIError``: a status, OpenAI's error type and the field at fault (``param``), which
+``openai_api.py`` answers with OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import types
+from typing import Any, Union, get_args, get_origin
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from jaxserve.errors import RequestError
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+MAX_ERROR_CHARS = 1000
+
+
+class APIError(Exception):
+    """An answer other than 200: status, OpenAI error type, message, the field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error"}.get(
+            status, "server_error"
+        )
+
+    def body(self) -> dict:
+        """OpenAI's error body (a stream's error event carries the same)."""
+        message = self.message
+        if len(message) > MAX_ERROR_CHARS:
+            message = f"{message[:MAX_ERROR_CHARS]}... (cut at {MAX_ERROR_CHARS} characters)"
+        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(e: RequestError, renames: dict[str, str] | None = None) -> APIError:
+    """A RequestError as a 400 naming its field: "sampling_params.top_p = 1.5: ..." is
+    the request's ``top_p``."""
+    message = str(e).replace("sampling_params.", "")
+    for ours, theirs in (renames or {}).items():
+        message = re.sub(rf"^{ours}\b", theirs, message)
+    m = re.match(r"[A-Za-z_][\w.]*(\[\d+\])?[\w.]*", message)
+    return APIError(400, message, param=m.group(0) if m else None)
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """pydantic's errors for a body as one 400 naming the first field at fault, in our
+    own errors' style (messages[0].content, not messages.0.content)."""
+    first = errors[0] if errors else {}
+    field, member = _union_field(first.get("loc", ()))
+    param = "".join(f"[{x}]" if x.isdigit() else f".{x}" for x in field).lstrip(".") or None
+    if first.get("type") == "json_invalid":
+        message, param = "the body is not valid JSON", None
+    elif member is not None:  # a union (prompt: str | list[int] | ...) none of whose members took it
+        # A member of our own request types reads as what the client sends: an object
+        # (content: "list[object]", not pydantic's "list[ContentPart]").
+        members = dict.fromkeys(
+            re.sub(r"\b[A-Z]\w*", "object", m) for f, m in (_union_field(err["loc"]) for err in errors) if f == field
+        )
+        message = f"{param}: must be one of {', '.join(members)}"
+    else:
+        message = f"{param or 'body'}: {first.get('msg', 'invalid')}"
+    return APIError(400, message, param=param)
+
+
+# --- request bodies (unknown fields are ignored, as OpenAI's API does) ---------------
+
+# A union member's tag in a pydantic error's path: "prompt.list[int].0" (prompt as token ids).
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\])$")
+
+
+def _union_field(loc) -> tuple[tuple[str, ...], str | None]:
+    """(the path before the first union member's tag, the tag) of an error's ``loc``."""
+    path = [str(x) for x in loc if x != "body"]
+    at = next((i for i, x in enumerate(path) if _UNION_MEMBER.match(x)), len(path))
+    return tuple(path[:at]), path[at] if at < len(path) else None
+
+
+class _Body(BaseModel):
+    # Strict types, as OpenAI's own API: pydantic's lax mode took true as token id 1,
+    # "5" as 5 and max_tokens = true as 1. An int is still a number.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's API takes null for every optional field as its default (clients send
+        "n": null, "stream": null, "logprobs": null); a field that cannot be None then
+        takes its default. A required field's null stays an error."""
+        if isinstance(data, dict):
+            defaulted = _not_nullable_with_default(cls)
+            data = {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        return data
+
+
+@functools.cache
+def _not_nullable_with_default(model: type[BaseModel]) -> frozenset[str]:
+    def nullable(annotation) -> bool:
+        return annotation is Any or (
+            get_origin(annotation) in (Union, types.UnionType) and type(None) in get_args(annotation)
+        )
+
+    fields = model.model_fields.items()
+    return frozenset(name for name, f in fields if not f.is_required() and not nullable(f.annotation))
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Body):
+    type: str = "text"
+    json_schema: Any = None  # {"name": ..., "schema": {...}, "strict": ...}
+
+
+class SamplingFields(_Body):
+    """The fields both endpoints share: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    best_of: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Structured output by vLLM's names (OpenAI's is response_format).
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: Any = None
+    prompt_logprobs: int | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: bool = True  # vLLM's: the assistant's header after the last message
+    continue_final_message: bool = False  # vLLM's: the last message left open (an assistant prefill)
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
