@@ -35,7 +35,7 @@ from jaxserve.models.config import ModelConfig, config_from_hf
 from jaxserve.models.loading import MATMUL_PARAMS, abstract_model, int8_weights
 from jaxserve.parallel import kv_cache_sharding, param_sharding
 from jaxserve.plan import EnginePlan, resolve_plan
-from jaxserve.runner.model_runner import (
+from jaxserve.runner.step import (
     bucket_seqs,
     greedy,
     make_forward,

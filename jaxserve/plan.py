@@ -24,7 +24,7 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import matmul_shapes
 from jaxserve.parallel import MeshConfig, check_divisible, make_mesh
 from jaxserve.runner.batch import MIN_TOKEN_BUCKET
-from jaxserve.runner.model_runner import RunnerConfig
+from jaxserve.runner.step import RunnerConfig
 from pallas_kernels import cpu_int8, cpu_matmul
 from pallas_kernels.ragged_paged_attention import cpu as cpu_attention
 

@@ -17,7 +17,7 @@ from jaxserve import LLM
 from jaxserve.attention import AttentionBackend
 from jaxserve.bench import add_engine_options, engine_config
 from jaxserve.runner.batch import ScheduledSeq
-from jaxserve.runner.model_runner import greedy
+from jaxserve.runner.step import greedy
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from jax.profiler import ProfileData
 from jaxserve import LLM
 from jaxserve.bench import add_engine_options, engine_config
 from jaxserve.runner.batch import ScheduledSeq
-from jaxserve.runner.model_runner import greedy
+from jaxserve.runner.step import greedy
 
 
 def main() -> None:

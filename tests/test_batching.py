@@ -15,7 +15,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.runner.batch import ScheduledSeq
-from jaxserve.runner.model_runner import make_forward
+from jaxserve.runner.step import make_forward
 from pallas_kernels import cpu_matmul
 from tests.conftest import record_steps
 

@@ -95,7 +95,7 @@ def test_no_compile_after_warmup_for_any_request_mix(warm_llm, mix, shared_prefi
 )
 def test_warm_up_covers_exactly_the_bucket_pairs_a_step_can_hit(budget, seqs, smallest, mixed):
     from jaxserve.runner.batch import pack, pick_bucket
-    from jaxserve.runner.model_runner import RunnerConfig, bucket_seqs
+    from jaxserve.runner.step import RunnerConfig, bucket_seqs
 
     cfg = RunnerConfig(16, 40, 600, budget, seqs, min_token_bucket=smallest, max_mixed_batched_tokens=mixed)
     tokens, seq_buckets = cfg.buckets

@@ -37,7 +37,8 @@ from jaxserve.engine.structured import GrammarCompiler
 from jaxserve.errors import JaxServeError, RequestError, check_token_ids
 from jaxserve.runner import compile_counter
 from jaxserve.runner.batch import ScheduledSeq
-from jaxserve.runner.model_runner import ModelRunner, SeqSampling
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.step import SeqSampling
 from jaxserve.sampling_params import SamplingParams
 
 MAX_PIN_S = 3600.0  # the longest lease one request may ask for
