@@ -76,6 +76,7 @@ class RequestPreparer:
         return out
 
     def chat(self, body: ChatRequest) -> tuple[list[int], SamplingParams]:
+        """(prompt ids, params): the chat rendered by the model's template (``chat_ids``)."""
         if body.tools:
             raise APIError(400, "tools: tool calling is not supported by this server", param="tools")
         if body.top_logprobs is not None and not body.logprobs:
