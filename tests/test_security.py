@@ -4,17 +4,19 @@ do not parse, per-client limits, one client's long streams not starving another.
 
 from __future__ import annotations
 
+import json
 import threading
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxserve.client import Client, Credentials, build_request, open_channel
+from jaxserve.client import Client, Credentials, build_request, open_channel, wait_until_serving
 from jaxserve.errors import ConfigError
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.proto import jaxserve_pb2 as pb
-from jaxserve.server.server import Server, ServerHandle
+from jaxserve.server.server import SERVICE_NAME, Server, ServerHandle
 from tests.certs import make_pki
 from tests.conftest import engine_held, tiny_server, wait_until
 
@@ -142,10 +144,49 @@ def test_undecodable_bodies_are_invalid_argument(served_plain):
 @pytest.fixture(scope="module")
 def served_plain(tiny_model_dir):
     cfg = ServerConfig(
-        port=0, http_port=None, metrics_port=None, warmup=False, max_requests_per_client=3, max_tokens_limit=500
+        port=0,
+        http_port=0,
+        metrics_port=None,
+        warmup=False,
+        max_requests_per_client=3,
+        max_tokens_limit=500,
+        max_request_bytes=4096,
     )
     with tiny_server(tiny_model_dir("llama3")[0], cfg, max_num_seqs=4) as (_, server, addr):
         yield server, addr
+
+
+def test_a_request_over_max_request_bytes_is_refused_unparsed(served_plain):
+    """An HTTP body over the cap is 413 before anything parses it: a declared length is not
+    even read, a chunked body is read only up to the cap; gRPC's messages have the same cap."""
+    server, addr = served_plain
+    wait_until_serving(addr, timeout=300, service=SERVICE_NAME)  # else a 503 may come first
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+
+    def body(n: int) -> bytes:  # n bytes of padding in a field the server ignores
+        return json.dumps({"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "user": "x" * n}).encode()
+
+    def chunked(data: bytes):
+        yield from (data[i : i + 1000] for i in range(0, len(data), 1000))
+
+    big, small = body(300_000), body(4000)
+    assert len(small) < 4096 < len(big)
+    headers = {"content-type": "application/json"}
+    for content in (big, chunked(big)):
+        r = httpx.post(url, content=content, headers=headers, timeout=60)
+        assert r.status_code == 413, (r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert "at most 4096 (server.max_request_bytes)" in error["message"], error
+    for content in (small, chunked(small)):  # under the cap, chunked or not: served
+        r = httpx.post(url, content=content, headers=headers, timeout=60)
+        assert r.status_code == 200, (r.status_code, r.text)
+        assert r.json()["usage"]["completion_tokens"] == 2
+    with Client(addr) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate([300] * 3000, max_tokens=2, **GREEDY)  # 2 bytes an id: 6 KB
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+        assert len(c.generate([5, 6], max_tokens=2, **GREEDY).token_ids) == 2
 
 
 def test_a_second_server_on_a_taken_port_fails_naming_it(served_plain, tiny_model_dir):

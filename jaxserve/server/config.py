@@ -52,6 +52,11 @@ class ServerConfig:
         30.0, "On SIGTERM, in-flight requests may finish for this long.", at_least(0, "a number")
     )
     warmup: bool = option(True, "Compile every bucket before reporting SERVING.")
+    max_request_bytes: int = option(
+        16 * 1024 * 1024,
+        "Largest request in bytes: an HTTP body (larger: 413) or a gRPC message (RESOURCE_EXHAUSTED).",
+        at_least(1024),
+    )
     max_prompt_chars: int = option(1_000_000, "Longest text prompt, checked before tokenizing.", at_least(1))
     max_prompt_tokens: int | None = option(None, "Longest prompt in tokens (null: max_model_len - 1).", at_least(1))
     max_tokens_limit: int | None = option(None, "Cap on a request's max_tokens (null: the context).", at_least(1))

@@ -32,6 +32,7 @@ from jaxserve.engine.async_engine import Delta, EngineStoppedError, EngineThread
 from jaxserve.errors import RequestError, check_token_ids
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.auth import TokenAuth
+from jaxserve.server.body_limit import BodyLimit
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.openai_prepare import RequestPreparer
@@ -353,6 +354,13 @@ class OpenAIServer:
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None)
+        limit = self.prepare.limits.max_request_bytes
+
+        def too_large(size: int):
+            message = f"the request body is {size} bytes or more; at most {limit} (server.max_request_bytes)"
+            return self._refused("invalid_argument", APIError(413, message, type_="invalid_request_error")).response()
+
+        app.add_middleware(BodyLimit, limit=limit, refuse=too_large)
 
         @app.exception_handler(APIError)
         async def api_error(request, e: APIError):

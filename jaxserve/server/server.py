@@ -36,7 +36,7 @@ from jaxserve.server.servicer import JaxServeServicer
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # a response's; a request's is server.max_request_bytes
 
 
 class Server:
@@ -117,7 +117,7 @@ class Server:
         self._stop = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         options = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", self.cfg.max_request_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # gRPC sets SO_REUSEPORT by default: a second server on a taken port would start
             # and silently take part of the traffic. One port, one server.
