@@ -200,7 +200,11 @@ def serve_llm(llm, config):
 
     handle = ServerHandle(Server(llm.handle, config, "tiny", progress=False))
     try:
-        yield handle.server, f"127.0.0.1:{handle.start()}"
+        address = f"127.0.0.1:{handle.start()}"
+        # SERVING, not only bound: gRPC queues a call made before it, but HTTP answers 503
+        # (a test's first HTTP call, after a quick gRPC one, met that now and then).
+        wait_until(lambda: handle.server.serving, "the server's SERVING", seconds=300)
+        yield handle.server, address
     finally:
         handle.stop()
 
