@@ -90,7 +90,11 @@ class EngineHandle:
             except ValueError as e:  # continue_final_message: the last message's text is not in what it gives
                 raise RequestError(f"{field}: {str(e)[:300]}") from None
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, list):
+            if len(prompt) >= self.max_model_len:  # before a walk of every id: 5M of them took ~1 s
+                raise RequestError(self._too_long(len(prompt)))
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise RequestError("a prompt must be a string, a list of token ids, or a list of chat messages")
             ids = list(prompt)
             check_token_ids(ids, self.model_config.vocab_size, field)
         else:
@@ -98,8 +102,11 @@ class EngineHandle:
         if not ids:
             raise RequestError(f"{field}: the prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise RequestError(f"prompt: {len(ids)} tokens; must be shorter than max_model_len ({self.max_model_len})")
+            raise RequestError(self._too_long(len(ids)))
         return ids
+
+    def _too_long(self, n: int) -> str:
+        return f"prompt: {n} tokens; must be shorter than max_model_len ({self.max_model_len})"
 
 
 def assemble(cfg: EngineConfig, progress: bool = True, warmup: bool = False) -> EngineHandle:

@@ -188,6 +188,8 @@ def test_bad_prompts(tiny_model_dir):
         llm.generate([[1, 999]])
     with pytest.raises(RequestError, match="prompt: 80 tokens; must be shorter than max_model_len"):
         llm.generate([[1] * 80])
+    with pytest.raises(RequestError, match="prompt: 80 tokens; must be shorter"):  # its length first: ids unread
+        llm.generate([[999] * 80])
     with pytest.raises(RequestError, match=r"messages\[0\] must have string 'role' and 'content'"):
         llm.generate([[{"role": "user"}]])
     with pytest.raises(RequestError, match=r"conversations\[1\] must be a non-empty list of \{role, content\}"):

@@ -96,6 +96,9 @@ def test_the_http_api_takes_the_same_tls_and_tokens(secured, pki):
         for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789abcdef"}):
             refused = http.post(f"{url}/v1/completions", json=body, headers=headers)
             assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+            # The caller first: a stranger's body is never parsed, a bad one says nothing of our fields.
+            refused = http.post(f"{url}/v1/chat/completions", json={"messages": 5}, headers=headers)
+            assert refused.status_code == 401, refused.text
         assert http.get(f"{url}/v1/models").status_code == 401
         assert http.get(f"{url}/health").status_code == 200  # open, as gRPC health is
     no_client_cert = ssl.create_default_context(cafile=str(pki["ca_cert"]))
