@@ -111,7 +111,11 @@ class SamplingParams:
                 _number(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
                 f"a number >= 0: 0 (greedy) or at least {MIN_TEMPERATURE}",
             ),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 = disabled)"),
+            (
+                "top_k",  # the sampler's int32: 10**12 failed the step, every request in it
+                isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and 0 <= self.top_k < 2**31,
+                "an integer in [0, 2**31) (0 = disabled)",
+            ),
             ("top_p", _number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("min_p", _number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
             (

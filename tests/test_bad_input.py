@@ -169,7 +169,9 @@ def test_bad_engine_options(options, message):
         ({"max_tokens": -1}, r"max_tokens = -1: must be an integer >= 0"),
         ({"temperature": -1.0}, r"temperature = -1.0: must be a number >= 0"),
         ({"top_p": 0.0}, r"top_p = 0.0: must be a number in \(0, 1\]"),
-        ({"top_k": -2}, r"top_k = -2: must be an integer >= 0"),
+        ({"top_k": -2}, r"top_k = -2: must be an integer in \[0, 2\*\*31\) \(0 = disabled\)"),
+        ({"top_k": 10**12}, r"top_k = 1000000000000: must be an integer in \[0, 2\*\*31\)"),  # failed the step
+        ({"top_k": True}, r"top_k = True: must be an integer"),
         ({"min_p": 1.5}, r"min_p = 1.5: must be a number in \[0, 1\]"),
         ({"min_tokens": 5, "max_tokens": 2}, r"min_tokens = 5: must be an integer in \[0, max_tokens\]"),
     ],
