@@ -34,6 +34,7 @@ from jaxserve.runner.model_runner import ModelRunner
 
 ChatMessages = list[dict[str, str]]
 Prompt = str | list[int] | ChatMessages
+NOT_A_PROMPT = "a prompt must be a string, a list of token ids, or a list of chat messages"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +95,11 @@ class EngineHandle:
             if len(prompt) >= self.max_model_len:  # before a walk of every id: 5M of them took ~1 s
                 raise RequestError(self._too_long(len(prompt)))
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise RequestError("a prompt must be a string, a list of token ids, or a list of chat messages")
+                raise RequestError(NOT_A_PROMPT)
             ids = list(prompt)
             check_token_ids(ids, self.model_config.vocab_size, field)
         else:
-            raise RequestError("a prompt must be a string, a list of token ids, or a list of chat messages")
+            raise RequestError(NOT_A_PROMPT)
         if not ids:
             raise RequestError(f"{field}: the prompt is empty")
         if len(ids) >= self.max_model_len:

@@ -12,11 +12,11 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxserve.client import Client, Credentials, build_request, open_channel, wait_until_serving
+from jaxserve.client import Client, Credentials, build_request, open_channel
 from jaxserve.errors import ConfigError
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.proto import jaxserve_pb2 as pb
-from jaxserve.server.server import SERVICE_NAME, Server, ServerHandle
+from jaxserve.server.server import Server, ServerHandle
 from tests.certs import make_pki
 from tests.conftest import engine_held, tiny_server, wait_until
 
@@ -163,7 +163,6 @@ def test_a_request_over_max_request_bytes_is_refused_unparsed(served_plain):
     """An HTTP body over the cap is 413 before anything parses it: a declared length is not
     even read, a chunked body is read only up to the cap; gRPC's messages have the same cap."""
     server, addr = served_plain
-    wait_until_serving(addr, timeout=300, service=SERVICE_NAME)  # else a 503 may come first
     url = f"http://127.0.0.1:{server.http_port}/v1/completions"
 
     def body(n: int) -> bytes:  # n bytes of padding in a field the server ignores

@@ -73,7 +73,7 @@ class OpenAIServer:
         self.prepare = RequestPreparer(handle, cfg)
         self.reply = ReplyFormatter(handle)
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxserve-http-validate")
-        self.app = self._build()
+        self.app = self._build(cfg.max_request_bytes)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -370,15 +370,16 @@ class OpenAIServer:
         )
         return info
 
-    def _build(self) -> FastAPI:
+    def _build(self, max_request_bytes: int) -> FastAPI:
         app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None)
-        limit = self.prepare.limits.max_request_bytes
 
         def too_large(size: int):
-            message = f"the request body is {size} bytes or more; at most {limit} (server.max_request_bytes)"
-            return self._refused("invalid_argument", APIError(413, message, type_="invalid_request_error")).response()
+            message = (
+                f"the request body is {size} bytes or more; at most {max_request_bytes} (server.max_request_bytes)"
+            )
+            return self._refused("invalid_argument", APIError(413, message)).response()
 
-        app.add_middleware(BodyLimit, limit=limit, refuse=too_large)
+        app.add_middleware(BodyLimit, limit=max_request_bytes, refuse=too_large)
 
         @app.exception_handler(APIError)
         async def api_error(request, e: APIError):

@@ -20,6 +20,12 @@ from jaxserve.errors import RequestError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 MAX_ERROR_CHARS = 1000
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+}
 
 
 class APIError(Exception):
@@ -28,9 +34,7 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None, code=None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type_ or {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error"}.get(
-            status, "server_error"
-        )
+        self.type = type_ or _ERROR_TYPES.get(status, "server_error")
 
     def body(self) -> dict:
         """OpenAI's error body (a stream's error event carries the same)."""
