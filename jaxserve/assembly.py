@@ -93,7 +93,7 @@ class EngineHandle:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         elif isinstance(prompt, list):
             if len(prompt) >= self.max_model_len:  # before a walk of every id: 5M of them took ~1 s
-                raise RequestError(self._too_long(len(prompt)))
+                raise RequestError(self._too_long(field, len(prompt)))
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 raise RequestError(NOT_A_PROMPT)
             ids = list(prompt)
@@ -103,11 +103,11 @@ class EngineHandle:
         if not ids:
             raise RequestError(f"{field}: the prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise RequestError(self._too_long(len(ids)))
+            raise RequestError(self._too_long(field, len(ids)))
         return ids
 
-    def _too_long(self, n: int) -> str:
-        return f"prompt: {n} tokens; must be shorter than max_model_len ({self.max_model_len})"
+    def _too_long(self, field: str, n: int) -> str:
+        return f"{field}: {n} tokens; must be shorter than max_model_len ({self.max_model_len})"
 
 
 def assemble(cfg: EngineConfig, progress: bool = True, warmup: bool = False) -> EngineHandle:

@@ -372,6 +372,8 @@ BAD = [
     (dict(model="gpt-4"), "model", "model = 'gpt-4': this server serves 'tiny'"),
     (dict(prompt=""), "prompt", "prompt: the prompt is empty"),
     (dict(prompt=[1, 2, 999]), "prompt[2]", "prompt\\[2\\] = 999: out of range"),
+    (dict(prompt=[1] * 1100), "prompt", r"^prompt: 1100 tokens; must be shorter than max_model_len \(1024\)$"),
+    (dict(prompt=[[1, 2], [1] * 1100]), "prompt[1]", r"^prompt\[1\]: 1100 tokens; must be shorter"),
     # A union none of whose members takes the value: each named (was the first one's complaint:
     # "prompt: Input should be a valid string" for token ids that are not integers).
     (dict(prompt=[1.5]), "prompt", r"^prompt: must be one of str, list\[str\], list\[int\], list\[list\[int\]\]$"),
@@ -441,6 +443,11 @@ def test_bad_chat_input_and_bodies_are_400(api):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[])
     assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as e:  # too long: the field the client sent, not "prompt"
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi " * 1200}])
+    assert e.value.body["param"] == "messages" and re.match(
+        r"messages: \d+ tokens; must be shorter", e.value.body["message"]
+    )
     with pytest.raises(openai.BadRequestError) as e:  # the field the client set, not the one it maps to
         client.chat.completions.create(model="tiny", messages=CHAT, logprobs=True, top_logprobs=30)
     assert e.value.body["param"] == "top_logprobs" and e.value.body["message"].startswith("top_logprobs = 30: ")

@@ -24,6 +24,7 @@ _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "not_found_error",
+    409: "invalid_request_error",  # the request id is in use: the caller's to change
     413: "invalid_request_error",
 }
 

@@ -96,7 +96,7 @@ def prompt_ids(
             raise RequestError("text: the prompt is empty")
         if len(msg.text) > max_chars:
             raise RequestError(f"text: {len(msg.text)} characters; at most {max_chars} (server.max_prompt_chars)")
-        return handle.encode(msg.text)
+        return handle.encode(msg.text, "text")
     if kind == "token_ids":
         if not msg.token_ids.ids:
             raise RequestError("token_ids: the prompt is empty")
