@@ -63,6 +63,8 @@ def _serve(args: argparse.Namespace, handle, engine_cfg, server_cfg) -> int:
 
     say(f"jaxserve: {handle.plan.platform}: {handle.numerics}")
     say(f"jaxserve: {handle.plan.budgets}")
+    if handle.plan.context_cap:
+        say(f"jaxserve: {handle.plan.context_cap}")
     runner = handle.engine.runner
     if jax.process_index() != 0:  # multi-host follower: replay process 0's steps
         runner.compile_ahead(progress=not args.quiet)

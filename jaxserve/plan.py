@@ -106,6 +106,18 @@ class EnginePlan:
     runner: RunnerConfig
     matmul: str = "xla"  # xla | onednn (float weights packed for oneDNN) | amx (int8 blobs, cpu_int8)
     quantization: str | None = None  # int8: the layers' weights (jaxserve.models.quant)
+    max_model_len_asked: int = 0  # before the KV pages capped it
+
+    @property
+    def context_cap(self) -> str | None:
+        """What start-up reports when the KV cache holds less than max_model_len asked for
+        (the context is cut to what one sequence can hold: every page but the scratch page)."""
+        if self.max_model_len >= self.max_model_len_asked:
+            return None
+        return (
+            f"max_model_len {self.max_model_len}, not {self.max_model_len_asked}: the KV cache's {self.num_pages - 1} "
+            f"pages of {self.runner.page_size} tokens are all one sequence can hold (num_pages / kv_cache_memory_gb)"
+        )
 
     @property
     def weights(self) -> str:
@@ -245,7 +257,7 @@ def resolve_plan(
             f"or {-(-num_pages // multiple) * multiple}, or kv_cache_memory_gb"
         )
     # The context cannot outgrow the pages one sequence could hold (all but the scratch page).
-    max_model_len = min(max_model_len, (num_pages - 1) * cfg.page_size)
+    asked, max_model_len = max_model_len, min(max_model_len, (num_pages - 1) * cfg.page_size)
     weight_dtype = storage_dtype(cfg.weight_dtype, dtype, platform)
     if cfg.quantization is not None:
         matmul = resolve_int8_matmul(cfg.matmul_backend, mcfg, weight_dtype, platform, sharded=mesh is not None)
@@ -283,6 +295,7 @@ def resolve_plan(
         runner,
         matmul,
         cfg.quantization,
+        asked,
     )
 
 

@@ -81,23 +81,28 @@ def test_no_compile_after_warmup_for_any_request_mix(warm_llm, mix, shared_prefi
 
 
 @pytest.mark.parametrize(
-    "budget, seqs, smallest, mixed",
+    "budget, seqs, smallest, mixed, max_model_len",
     [
-        (256, 32, 8, None),
-        (64, 16, 1, None),
-        (20, 24, 8, None),
-        (512, 32, 64, None),
-        (8, 2, 8, None),
-        (512, 32, 8, 192),
-        (512, 32, 64, 32),
-        (256, 32, 8, 128),
+        (256, 32, 8, None, 600),
+        (64, 16, 1, None, 600),
+        (20, 24, 8, None, 600),
+        (512, 32, 64, None, 600),
+        (8, 2, 8, None, 600),
+        (512, 32, 8, 192, 600),
+        (512, 32, 64, 32, 600),
+        (256, 32, 8, 128, 600),
+        # A context shorter than a step's budget: each sequence brings fewer tokens than
+        # max_model_len (a crash of warm-up's stand-in batch at num_pages 2, max_model_len 16).
+        (512, 32, 8, None, 16),
+        (512, 32, 8, 96, 40),
+        (64, 16, 1, None, 9),
     ],
 )
-def test_warm_up_covers_exactly_the_bucket_pairs_a_step_can_hit(budget, seqs, smallest, mixed):
+def test_warm_up_covers_exactly_the_bucket_pairs_a_step_can_hit(budget, seqs, smallest, mixed, max_model_len):
     from jaxserve.runner.batch import pack, pick_bucket
     from jaxserve.runner.step import RunnerConfig, bucket_seqs
 
-    cfg = RunnerConfig(16, 40, 600, budget, seqs, min_token_bucket=smallest, max_mixed_batched_tokens=mixed)
+    cfg = RunnerConfig(16, 40, max_model_len, budget, seqs, min_token_bucket=smallest, max_mixed_batched_tokens=mixed)
     tokens, seq_buckets = cfg.buckets
     if mixed is not None:  # a step that decodes (at most `mixed` tokens) pads to no more than that
         assert pick_bucket(tokens, mixed) == max(mixed, smallest)
@@ -105,6 +110,7 @@ def test_warm_up_covers_exactly_the_bucket_pairs_a_step_can_hit(budget, seqs, sm
         (pick_bucket(tokens, n), pick_bucket(seq_buckets, k))
         for n in range(1, budget + 1)
         for k in range(1, min(n, seqs) + 1)
+        if n <= k * (max_model_len - 1)  # each sequence's share of a step: shorter than max_model_len
     }
     assert set(cfg.bucket_pairs) == reachable
     for t, s in cfg.bucket_pairs:  # and warm-up's stand-in batch really lands in each

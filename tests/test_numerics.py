@@ -124,3 +124,12 @@ def test_the_scheduler_and_the_buckets_take_the_resolved_budget(monkeypatch):
     sched = make_scheduler(cfg, p, KVManager(p.num_pages, cfg.page_size, False))
     assert sched.max_mixed_batched_tokens == 96
     assert p.runner.buckets[0] == [8, 16, 32, 64, 96, 128, 256, 512]  # its step compiled, padded to itself
+
+
+def test_start_up_says_when_the_kv_pages_cut_max_model_len():
+    """Four pages of 16 tokens hold one sequence of 48 (page 0 is scratch), not the 512
+    asked: the context is cut, and start-up says so and why, instead of doing it silently."""
+    p = resolve_plan(EngineConfig(num_pages=4, max_model_len=512), TINY, platform="cpu")
+    assert p.max_model_len == 48 and p.runner.max_model_len == 48
+    assert p.context_cap.startswith("max_model_len 48, not 512: the KV cache's 3 pages of 16 tokens"), p.context_cap
+    assert resolve_plan(EngineConfig(num_pages=33, max_model_len=512), TINY, platform="cpu").context_cap is None

@@ -70,7 +70,15 @@ class RunnerConfig:
         of at most ``t`` tokens has at most ``t`` sequences, padded up to their own bucket
         (which may be larger than ``t``: 1 token, 1 sequence is bucket pair (8, 2) or (1, 2))."""
         tokens, seqs = self.buckets
-        return [(t, s) for t in tokens for s in seqs if s <= pick_bucket(seqs, min(t, self.max_num_seqs))]
+        longest = self.max_model_len - 1  # a sequence's tokens in one step: a prompt is shorter than that
+        pairs = []
+        for i, t in enumerate(tokens):
+            fewer = tokens[i - 1] if i else 0  # a step in bucket t has more tokens than the bucket below
+            for s in seqs:
+                # A short max_model_len caps the tokens s sequences bring: (512, 8) is out of reach at 32.
+                if s <= pick_bucket(seqs, min(t, self.max_num_seqs)) and fewer < min(s, t, self.max_num_seqs) * longest:
+                    pairs.append((t, s))
+        return pairs
 
 
 def _seed32(seed: int) -> int:
@@ -166,10 +174,12 @@ def sampling_metadata(
 
 
 def bucket_seqs(cfg: RunnerConfig, t: int, s: int) -> list[ScheduledSeq]:
-    """min(s, t) sequences sharing t tokens, every page the scratch page: hits bucket
-    (t, s) (for s > t, the t one-token sequences pad up to s)."""
+    """min(s, t) sequences sharing t tokens (fewer where max_model_len caps each, still
+    more than the token bucket below), every page the scratch page: hits bucket (t, s)
+    (for s > t, the t one-token sequences pad up to s)."""
     k = min(s, t)
-    sizes = [t // k + (i < t % k) for i in range(k)]
+    n = min(t, k * (cfg.max_model_len - 1))
+    sizes = [n // k + (i < n % k) for i in range(k)]
     return [ScheduledSeq([0] * n, 0, [0] * cfg.pages_per_seq) for n in sizes]
 
 
