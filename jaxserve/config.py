@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -260,14 +261,31 @@ def from_options(cls, options: dict[str, Any], what: str):
     return cls(**options)
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as PyYAML reads it, but ``1e9`` and ``5e-1`` are numbers, as YAML 1.2 (and
+    JSON) has them: PyYAML follows YAML 1.1, whose floats need a dot, so
+    ``kv_cache_memory_gb: 1e9`` was the string '1e9' and its error "must be a number"."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml(stream):
+    return yaml.load(stream, Loader=_Loader)
+
+
 def read_config_file(path: str | None, overrides: list[str] = ()) -> dict[str, Any]:
     """A YAML file's mapping (``{}`` without a file) with ``key=value`` overrides applied;
     dotted keys reach into sections (``server.port=50052``), values are parsed as YAML."""
     data: dict[str, Any] = {}
     if path:
         try:
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
+            with open(path, "rb") as f:  # bytes: YAML finds the encoding and names a bad byte
+                data = _yaml(f) or {}
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
         except yaml.YAMLError as e:
@@ -284,7 +302,10 @@ def read_config_file(path: str | None, overrides: list[str] = ()) -> dict[str, A
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {key}: {k} is not a section")
-        node[leaf] = yaml.safe_load(raw)
+        try:
+            node[leaf] = _yaml(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {str(e).splitlines()[0]}") from None
     return data
 
 

@@ -76,6 +76,11 @@ def test_run_config_rejects_unknown_keys_and_bad_values(tmp_path):
         load_run_config(None, ["max_num_seqs=0"])
     engine, server = load_run_config(None, ["max_num_seqs=4", "server.port=1234"])
     assert engine.max_num_seqs == 4 and server.port == 1234
+    bad.write_bytes(b"model: x\nmax_num_seqs: \xff\n")  # not text: YAML names the byte (was a UnicodeDecodeError)
+    with pytest.raises(ConfigError, match=r"bad.yaml is not valid YAML: .*#x00ff"):
+        load_run_config(str(bad))
+    bad.write_text("model: x\nkv_cache_memory_gb: 5e-1\n", encoding="utf-16")  # YAML finds the encoding
+    assert load_run_config(str(bad))[0].kv_cache_memory_gb == 0.5
 
 
 def test_generate_accepts_a_run_config_with_a_server_section(tiny_model_dir, capsys):
@@ -97,6 +102,10 @@ TINY_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parent.parent /
     [
         ("kv_cache_memory_gb=lots", "kv_cache_memory_gb = 'lots': must be a number"),
         ("kv_cache_memory_gb=.inf", r"kv_cache_memory_gb = inf: must be a number \(finite\)"),
+        # Numbers as YAML 1.2 and JSON write them (PyYAML's YAML 1.1 read "1e400" as a string)
+        ("kv_cache_memory_gb=1e400", r"kv_cache_memory_gb = inf: must be a number \(finite\)"),
+        ("page_size=1e1", "page_size = 10.0: must be an integer"),
+        ("model=[x", r"--set 'model=\[x': the value is not valid YAML: "),
         ("model=42", "model = 42: must be a string"),
         ("page_size=16.0", "page_size = 16.0: must be an integer"),
         ("max_num_seqs=true", "max_num_seqs = True: must be an integer"),
