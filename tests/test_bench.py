@@ -199,6 +199,20 @@ def test_bench_latency_and_prefix_cache_report(tiny_model_dir, capsys):
     assert int(computed["token"]) < int(computed["off"])  # the shared prefix was computed once per group
 
 
+def test_bench_serve_with_no_server_there_is_one_error(capsys):
+    """Nothing listening: one line naming --server (gRPC was a report of every request
+    failing, every figure nan; HTTP already said it)."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        for server in (f"127.0.0.1:{port}", f"http://127.0.0.1:{port}"):
+            assert main(["bench", "serve", "--server", server, "--num-requests", "2", "--quiet"]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"jaxserve: error: --server {server}: ") and len(err.splitlines()) == 1, err
+
+
 def test_bench_variant_errors_name_the_format(capsys):
     assert main(["bench", "offline", "--variant", "nothing"]) == 2
     assert "--variant 'nothing': expected NAME:KEY=VALUE" in capsys.readouterr().err
@@ -219,6 +233,16 @@ def test_bench_variant_errors_name_the_format(capsys):
         (["bench", "agent", "--max-concurrency", "0"], "0: must be an integer >= 1"),
         (["compile", "--topology", "v5e:2x2", "--bucket", "x:y"], "'x:y': expected TOKENS:SEQS, integers"),
         (["compile", "--topology", "v5e:2x2", "--bucket", "64:0"], "'64:0': must be TOKENS:SEQS, both >= 1"),
+        # Output files are checked before the run (a missing folder was a traceback after it, the figures lost)
+        (
+            ["bench", "serve", "--json", "/no/such/folder/r.json"],
+            "/no/such/folder/r.json: the folder /no/such/folder does not exist",
+        ),
+        (["bench", "serve", "--plot", "/"], "/: is a folder; give a file name"),
+        (
+            ["bench", "compare", "chunking", "--plot", "/no/such/x.png"],
+            "/no/such/x.png: the folder /no/such does not exist",
+        ),
     ],
 )
 def test_a_bad_number_is_one_usage_error_naming_the_flag(argv, says, capsys):

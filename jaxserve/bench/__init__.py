@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxserve.hardware import cpu_model
@@ -89,6 +91,20 @@ def positive_seconds(text: str) -> float:
     if not value > 0:  # NaN too
         raise argparse.ArgumentTypeError(f"{text}: must be a number of seconds > 0")
     return value
+
+
+def output_file(text: str) -> str:
+    """An argparse ``type``: a file this run can write when it ends (its folder exists and
+    is writable), checked before the run, not after it when the figures would be lost."""
+    path = Path(text)
+    folder = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a folder; give a file name")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: the folder {folder} is not writable")
+    return text
 
 
 def span(text: str) -> tuple[int, int]:

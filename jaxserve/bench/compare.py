@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jaxserve.bench import footer, parse_variant, plot, positive_seconds
+from jaxserve.bench import footer, output_file, parse_variant, plot, positive_seconds
 from jaxserve.client import wait_until_serving
 from jaxserve.errors import ConfigError
 
@@ -77,7 +77,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--bench-args", default=None, help="arguments for jaxserve bench serve (overrides the preset's)")
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for every variant")
     ap.add_argument("--startup-timeout", type=positive_seconds, default=900)
-    ap.add_argument("--plot", default=None, help="the variants side by side as a PNG here (matplotlib)")
+    ap.add_argument(
+        "--plot", type=output_file, default=None, help="the variants side by side as a PNG here (matplotlib)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:

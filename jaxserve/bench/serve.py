@@ -35,9 +35,10 @@ import httpx
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.bench import at_least, footer, plot, positive_seconds, span
+from jaxserve.bench import at_least, footer, output_file, plot, positive_seconds, span
 from jaxserve.client import build_request
 from jaxserve.errors import ConfigError
+from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
 
 WORKLOADS = ("random", "shared-prefix", "long-prompt-interference", "multi-turn")
@@ -67,6 +68,13 @@ class GrpcTarget:
     async def __aenter__(self):
         self._channel = grpc.aio.insecure_channel(self.address)
         self._stub = pb_grpc.JaxServeStub(self._channel)
+        try:  # one clear error for no server there, not a report of every request failing
+            await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        except grpc.aio.AioRpcError as e:
+            await self._channel.close()
+            raise ConfigError(
+                f"--server {self.address}: the jaxserve gRPC API does not answer ({e.code().name}: {e.details()})"
+            ) from None
         return self
 
     async def __aexit__(self, *exc):
@@ -344,8 +352,8 @@ def add_arguments(p) -> None:
     p.add_argument("--vocab", type=at_least(2), default=49152, help="token ids are drawn below this")
     p.add_argument("--timeout", type=positive_seconds, default=3600.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the report here")
-    p.add_argument("--plot", default=None, help="a sweep's curves as a PNG here (matplotlib)")
+    p.add_argument("--json", type=output_file, default=None, help="write the report here")
+    p.add_argument("--plot", type=output_file, default=None, help="a sweep's curves as a PNG here (matplotlib)")
     p.add_argument("--quiet", action="store_true")
 
 
