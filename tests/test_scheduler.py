@@ -173,6 +173,28 @@ def test_two_long_prompts_in_a_pool_that_fits_one_at_a_time():
     assert sched.kv.pool.num_in_use == 0
 
 
+@pytest.mark.parametrize("prefix_match", ["token", "page"])
+def test_a_cached_prefix_in_the_only_page_does_not_hold_off_its_twin(prefix_match):
+    """One usable page of 16 tokens, two samples of a 3-token prompt: the first runs alone
+    (no page to fork its twin into) and its 13 tokens are cached. The twin's match ends
+    inside that page, and no page is free to copy it to: its lock kept the page from
+    eviction at every retry, and the engine stepped forever with nothing scheduled. With
+    nothing running to free a page, the twin is now computed anew."""
+    sched = Scheduler(
+        KVManager(2, 16, prefix_match=prefix_match), max_num_batched_tokens=16, max_num_seqs=4, max_model_len=16
+    )
+    reqs = _twins(2, 3, 10)
+    for r in reqs:
+        sched.add(r)
+    _run(sched, steps_limit=100)
+    assert all(len(r.output_token_ids) == 10 for r in reqs)
+    usage = sched.kv.usage(())
+    assert reqs[1].num_cached_tokens == 0 and (
+        usage["kv_pages_held"],
+        usage["kv_pages_free"] + usage["kv_pages_cached"],
+    ) == (0, 1)
+
+
 def _step(sched: Scheduler) -> list[str]:
     out = sched.schedule()
     sched.update(out, [1] * out.num_rows)

@@ -96,11 +96,11 @@ class KVManager:
         return matched, pages, node
 
     # -- the four calls ----------------------------------------------------------------
-    def admit(self, request: Request, budget: int) -> tuple[int, PageCopy | None] | None:
-        """The cached prefix and pages for a first chunk of at most ``budget`` tokens.
-        Returns (chunk size, page copy or None), or None with nothing changed."""
+    def admit(self, request: Request, budget: int, reuse: bool = True) -> tuple[int, PageCopy | None] | None:
+        """The cached prefix (``reuse``) and pages for a first chunk of at most ``budget``
+        tokens. Returns (chunk size, page copy or None), or None with nothing changed."""
         assert not request.pages and request.num_computed_tokens == 0, "admit of a request holding pages"
-        copy = self._attach(request) if self.index is not None else None
+        copy = self._attach(request) if self.index is not None and reuse else None
         n = min(request.num_tokens_to_compute, budget)
         if not self.grow(request, n):
             self.free(request, keep_cached=False)

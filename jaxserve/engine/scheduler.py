@@ -263,6 +263,12 @@ class Scheduler:
     def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> bool:
         """Moves a waiting request into the batch with a first chunk; False if it cannot."""
         admitted = self.kv.admit(request, budget)
+        if admitted is None and not self.running:
+            # Nothing running will free a page, and the match's lock keeps its pages: a
+            # cached prefix ending inside a page the pool has no room to copy stayed locked
+            # by every retry (1 usable page, n = 2: the twin waited forever). Computed anew,
+            # the prefix's pages can be evicted.
+            admitted = self.kv.admit(request, budget, reuse=False)
         if admitted is None:
             return False  # nothing changed: it tries again in a later step
         n, copy = admitted
