@@ -142,6 +142,15 @@ class KVManager:
         request.pages += self.pool.allocate(need)
         return True
 
+    def unlock_path(self, request: Request) -> None:
+        """Lets go of the request's lock on its radix path; it keeps its pages (the next
+        ``commit`` or ``free`` caches them again). Pages the path holds that the request
+        does not (an earlier copy of a prefix it computed anew, a partly filled page it
+        copied) become evictable: for a request that cannot grow otherwise."""
+        if self.index is not None and request.cache_node is not None:
+            self.index.unlock(request.cache_node)
+            request.cache_node = None
+
     def commit(self, request: Request, num_tokens: int) -> None:
         """Records ``num_tokens`` more computed tokens. A prefill chunk is cached now; a
         lone decode token is not (a tree walk per token for little gain: ``free`` caches

@@ -187,6 +187,12 @@ class Scheduler:
         (undoing their share of this step) until they fit. False if ``request`` itself went."""
         while not self.kv.grow(request, num_new_tokens):
             victim = self.running[-1]
+            if victim is request and request.cache_node is not None:
+                # Before it preempts itself: its own lock may be what holds the pages it
+                # needs (a prefix cached twice, its path holding both copies). Preempted, it
+                # would come back to the same lock, and round again forever.
+                self.kv.unlock_path(request)
+                continue
             self._preempt(victim)
             out.preempted.append(victim)
             for i, (r, n) in enumerate(out.scheduled):
