@@ -327,7 +327,8 @@ Generated from the declarations in `jaxserve/config.py` and `jaxserve/server/con
 Engine options are the top-level keys of a `jaxserve run --config` YAML file, `--set KEY=VALUE`
 overrides (on `jaxserve run` and every `jaxserve bench` that builds an engine) and keyword
 arguments of the offline `LLM(...)`. Unknown keys and bad values are rejected with one message
-naming the key and what it allows.
+naming the key and what it allows. Values in the file and after `--set KEY=` are YAML, with
+numbers as YAML 1.2 writes them (`1e9` and `5e-1` are numbers, not strings).
 
 ## Engine
 """
