@@ -155,7 +155,9 @@ class EngineConfig:
     )
     kv_cache_memory_gb: float = option(2.0, "KV cache size when num_pages is null.", above(0))
     max_model_len: int | None = option(
-        None, "Context limit (null: the model's, capped at 8192 and at what the pages hold).", at_least(1)
+        None,
+        "Context limit (null: the model's, capped at 8192); either is capped at what the KV pages hold, which start-up then says.",
+        at_least(1),
     )
     max_num_batched_tokens: int = option(
         256, "Tokens per step (the chunked-prefill budget); also the largest token bucket.", at_least(1)
