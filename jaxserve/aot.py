@@ -41,6 +41,7 @@ from jaxserve.runner.step import (
     make_forward,
     make_sample,
     make_scored_forward,
+    sampler_seqs,
     step_inputs,
 )
 
@@ -228,9 +229,11 @@ class StepCompiler:
             return _abstract(x, self.replicated)
         return _abstract(x, param_sharding(self.mesh, _param_name(path), x.shape))
 
-    def _inputs(self, tokens: int, seqs: int, penalties: bool = False):
+    def _inputs(self, tokens: int | None, seqs: int, penalties: bool = False):
+        """Abstract step inputs of bucket (tokens, seqs); tokens None: the sampler's (``sampler_seqs``)."""
         cfg = self.plan.runner
-        _, inputs = step_inputs(cfg, bucket_seqs(cfg, tokens, seqs), greedy(seqs, penalties))
+        stand_ins = sampler_seqs(cfg, seqs) if tokens is None else bucket_seqs(cfg, tokens, seqs)
+        _, inputs = step_inputs(cfg, stand_ins, greedy(seqs, penalties))
         return jax.tree.map(lambda x: _abstract(x, self.replicated), inputs)
 
     def compile_forward(self, tokens: int, seqs: int) -> Compiled:
@@ -248,7 +251,7 @@ class StepCompiler:
 
     def compile_sample(self, seqs: int, penalties: bool = False) -> Compiled:
         """The sampler for sequence bucket ``seqs`` (the penalised variant if asked)."""
-        _, _, smd, pmd, _ = self._inputs(seqs, seqs, penalties)
+        _, _, smd, pmd, _ = self._inputs(None, seqs, penalties)
         logits = jax.ShapeDtypeStruct((seqs, self.vocab_size), np.float32, sharding=self.replicated)
         words = (self.vocab_size + 31) // 32  # structured output's token bitmask
         allowed = jax.ShapeDtypeStruct((seqs, words), np.int32, sharding=self.replicated)

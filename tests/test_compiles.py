@@ -116,3 +116,18 @@ def test_warm_up_covers_exactly_the_bucket_pairs_a_step_can_hit(budget, seqs, sm
     for t, s in cfg.bucket_pairs:  # and warm-up's stand-in batch really lands in each
         md = pack(bucket_seqs(cfg, t, s), 16, cfg.pages_per_seq, tokens, seq_buckets).md
         assert (len(md.input_ids), len(md.kv_lens)) == (t, s)
+
+
+@pytest.mark.parametrize("budget, min_seq_bucket", [(1, 8), (4, 8), (6, 2), (64, 8)])
+def test_the_samplers_stand_ins_fit_the_largest_token_bucket(budget, min_seq_bucket):
+    """A sampler's program depends on its sequence bucket alone; warm-up's stand-in batch
+    for it must still fit the token buckets: a budget of 1 token with sequence buckets of
+    8 (oneDNN's smallest) asked for 8 tokens and failed warm-up with a ValueError."""
+    from jaxserve.runner.batch import pack
+    from jaxserve.runner.step import RunnerConfig, sampler_seqs
+
+    cfg = RunnerConfig(16, 40, 600, budget, 32, min_token_bucket=1, min_seq_bucket=min_seq_bucket)
+    tokens, seq_buckets = cfg.buckets
+    for s in sorted({s for _, s in cfg.bucket_pairs}):
+        md = pack(sampler_seqs(cfg, s), 16, cfg.pages_per_seq, tokens, seq_buckets).md
+        assert len(md.kv_lens) == s and len(md.input_ids) <= budget

@@ -46,6 +46,7 @@ from jaxserve.runner.step import (
     make_forward,
     make_sample,
     make_scored_forward,
+    sampler_seqs,
     step_inputs,
 )
 from pallas_kernels import cpu_matmul
@@ -413,7 +414,7 @@ class ModelRunner:
         jobs = []
         for s in seq_buckets:
             for penalties in (False, True):
-                _, (_, _, smd, pmd, _) = step_inputs(self.cfg, bucket_seqs(self.cfg, s, s), greedy(s, penalties))
+                _, (_, _, smd, pmd, _) = step_inputs(self.cfg, sampler_seqs(self.cfg, s), greedy(s, penalties))
                 args = (logits[s], smd, pmd, self._no_feed, self._all_allowed(s))
                 jobs.append((("sample", s, penalties), self._sample, args))
         self._make(jobs, bar)

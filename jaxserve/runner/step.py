@@ -183,6 +183,13 @@ def bucket_seqs(cfg: RunnerConfig, t: int, s: int) -> list[ScheduledSeq]:
     return [ScheduledSeq([0] * n, 0, [0] * cfg.pages_per_seq) for n in sizes]
 
 
+def sampler_seqs(cfg: RunnerConfig, s: int) -> list[ScheduledSeq]:
+    """Stand-ins for the sampler of sequence bucket ``s``, whose inputs depend on ``s``
+    alone: a token each, but no more tokens than the largest token bucket holds (a budget
+    of 1 token with sequence buckets of 8 asked for 8 and failed warm-up)."""
+    return bucket_seqs(cfg, min(s, cfg.buckets[0][-1]), s)
+
+
 # (attention metadata, feed rows [T], sampler metadata, penalty metadata or None, token
 # bitmask or None), numpy
 StepInputs = tuple[AttentionMetadata, np.ndarray, SamplingMetadata, PenaltyMetadata | None, np.ndarray | None]
