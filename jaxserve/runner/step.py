@@ -178,8 +178,8 @@ def bucket_seqs(cfg: RunnerConfig, t: int, s: int) -> list[ScheduledSeq]:
     more than the token bucket below), every page the scratch page: hits bucket (t, s)
     (for s > t, the t one-token sequences pad up to s)."""
     k = min(s, t)
-    n = min(t, k * (cfg.max_model_len - 1))
-    sizes = [n // k + (i < n % k) for i in range(k)]
+    total = min(t, k * (cfg.max_model_len - 1))
+    sizes = [total // k + (i < total % k) for i in range(k)]
     return [ScheduledSeq([0] * n, 0, [0] * cfg.pages_per_seq) for n in sizes]
 
 
@@ -187,7 +187,7 @@ def sampler_seqs(cfg: RunnerConfig, s: int) -> list[ScheduledSeq]:
     """Stand-ins for the sampler of sequence bucket ``s``, whose inputs depend on ``s``
     alone: a token each, but no more tokens than the largest token bucket holds (a budget
     of 1 token with sequence buckets of 8 asked for 8 and failed warm-up)."""
-    return bucket_seqs(cfg, min(s, cfg.buckets[0][-1]), s)
+    return bucket_seqs(cfg, min(s, cfg.max_num_batched_tokens), s)  # the largest token bucket
 
 
 # (attention metadata, feed rows [T], sampler metadata, penalty metadata or None, token
