@@ -189,6 +189,33 @@ def record_steps(llm) -> list[tuple[tuple[str, int, bool], ...]]:
     return records
 
 
+def tight_pool(rng, prefix_match: str, samples: tuple[int, ...] = (1,)):
+    """A scheduler over a KV pool that one request of max_model_len fills (every page but
+    the scratch one, as the engine caps it), and 1-8 prompts for it, most sharing a
+    prefix, each with its SamplingParams (n drawn from ``samples``): (scheduler, [(prompt,
+    params)]). The pools where the scheduler once went round forever."""
+    from jaxserve.engine.kv_manager import KVManager
+    from jaxserve.engine.scheduler import Scheduler
+    from jaxserve.sampling_params import SamplingParams
+
+    page_size, num_pages = rng.choice([4, 8, 16]), rng.randint(2, 8)
+    max_model_len = (num_pages - 1) * page_size
+    sched = Scheduler(
+        KVManager(num_pages, page_size, prefix_match=prefix_match),
+        max_num_batched_tokens=rng.choice([8, 16, 32]),
+        max_num_seqs=rng.choice([1, 2, 4, 8]),
+        max_model_len=max_model_len,
+    )
+    shared = [rng.randint(3, 299) for _ in range(max_model_len)]
+    work = []
+    for i in range(rng.randint(1, 8)):
+        n = rng.randint(1, max_model_len - 1)
+        prompt = shared[:n] if rng.random() < 0.6 else [rng.randint(3, 299) for _ in range(n)]
+        params = SamplingParams(n=rng.choice(samples), max_tokens=rng.randint(0, max_model_len - n), seed=i)
+        work.append((prompt, params))
+    return sched, work
+
+
 def rng_tokens(n: int, vocab: int, seed: int) -> list[int]:
     return np.random.RandomState(seed).randint(0, vocab, size=n).tolist()
 

@@ -169,25 +169,14 @@ def test_every_request_finishes_in_tight_pools_overlapped_or_not():
     back. Before the scheduler's two fixes (tests/test_scheduler.py) 1009 of 1500 such pools
     never finished."""
     from jaxserve.engine.engine import Engine
-    from jaxserve.engine.kv_manager import KVManager
-    from jaxserve.engine.scheduler import Scheduler
-    from tests.conftest import _tiny_tokenizer
+    from tests.conftest import _tiny_tokenizer, tight_pool
 
     tok = _tiny_tokenizer()
     for trial in range(120):
         rng = random.Random(trial)
-        page_size, num_pages = rng.choice([4, 8, 16]), rng.randint(2, 8)
-        max_model_len = (num_pages - 1) * page_size
-        kv = KVManager(num_pages, page_size, prefix_match=rng.choice(["token", "page"]))
-        sched = Scheduler(kv, rng.choice([8, 16, 32]), rng.choice([1, 2, 4, 8]), max_model_len)
+        sched, work = tight_pool(rng, rng.choice(["token", "page"]), samples=(1, 2, 3))
         engine = Engine(_RandomTokens(rng), sched, tok, {tok.eos_token_id}, overlap=trial % 2 == 1)
-        shared = [rng.randint(3, 299) for _ in range(max_model_len)]
-        reqs = []
-        for i in range(rng.randint(1, 6)):
-            n = rng.randint(1, max_model_len - 1)
-            prompt = shared[:n] if rng.random() < 0.6 else [rng.randint(3, 299) for _ in range(n)]
-            params = SamplingParams(n=rng.choice([1, 2, 3]), max_tokens=rng.randint(0, max_model_len - n), seed=i)
-            reqs += [engine.add_request(prompt, sample) for sample in params.samples()]
+        reqs = [engine.add_request(prompt, sample) for prompt, params in work for sample in params.samples()]
         for _ in range(3000):
             if not engine.has_unfinished():
                 break
@@ -195,4 +184,4 @@ def test_every_request_finishes_in_tight_pools_overlapped_or_not():
             sched.check_integrity()
         assert not engine.has_unfinished(), f"pool {trial} never finished"
         assert all(len(r.output_token_ids) == r.params.max_tokens for r in reqs), trial
-        assert kv.usage(())["kv_pages_held"] == 0
+        assert sched.kv.usage(())["kv_pages_held"] == 0

@@ -12,6 +12,7 @@ from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.sampling_params import SamplingParams
+from tests.conftest import tight_pool
 
 
 def _request(i: int, prompt_len: int, max_tokens: int) -> Request:
@@ -203,26 +204,14 @@ def test_every_request_finishes_in_pools_one_request_can_fill(prefix_match):
     preempted itself, came back to the same lock and went round forever: 4 pools in 10
     here, before. (Only the scheduler runs: ~1 s.)"""
     for trial in range(300):
-        rng = random.Random(trial)
-        page_size, num_pages = rng.choice([4, 8, 16]), rng.randint(2, 8)
-        max_model_len = (num_pages - 1) * page_size  # as the engine caps it: every page but the scratch one
-        sched = Scheduler(
-            KVManager(num_pages, page_size, prefix_match=prefix_match),
-            max_num_batched_tokens=rng.choice([8, 16, 32]),
-            max_num_seqs=rng.choice([1, 2, 4, 8]),
-            max_model_len=max_model_len,
-        )
-        shared = [rng.randint(0, 50) for _ in range(max_model_len)]
-        reqs = []
-        for i in range(rng.randint(1, 8)):
-            n = rng.randint(1, max_model_len - 1)
-            prompt = shared[:n] if rng.random() < 0.6 else [rng.randint(0, 50) for _ in range(n)]
-            params = SamplingParams(max_tokens=rng.randint(0, max_model_len - n), temperature=0.0)
-            reqs.append(Request(f"r{i}", prompt, params, seed=i))
-            sched.add(reqs[-1])
+        sched, work = tight_pool(random.Random(trial), prefix_match)
+        reqs = [Request(f"r{i}", prompt, params, seed=i) for i, (prompt, params) in enumerate(work)]
+        for r in reqs:
+            sched.add(r)
         _run(sched, steps_limit=2000)
         assert all(len(r.output_token_ids) == r.params.max_tokens for r in reqs), trial
-        assert sched.kv.usage(())["kv_pages_free"] + sched.kv.usage(())["kv_pages_cached"] == num_pages - 1
+        usage = sched.kv.usage(())
+        assert usage["kv_pages_free"] + usage["kv_pages_cached"] == usage["kv_pages_total"]
 
 
 def _step(sched: Scheduler) -> list[str]:
