@@ -229,27 +229,29 @@ class StepCompiler:
             return _abstract(x, self.replicated)
         return _abstract(x, param_sharding(self.mesh, _param_name(path), x.shape))
 
-    def _inputs(self, stand_ins: list, seqs: int, penalties: bool = False):
-        """Abstract step inputs of the stand-in sequences (``bucket_seqs``, ``sampler_seqs``)."""
-        _, inputs = step_inputs(self.plan.runner, stand_ins, greedy(seqs, penalties))
+    def _inputs(self, tokens: int | None, seqs: int, penalties: bool = False):
+        """Abstract step inputs of bucket (tokens, seqs); tokens None: the sampler's (``sampler_seqs``)."""
+        cfg = self.plan.runner
+        stand_ins = sampler_seqs(cfg, seqs) if tokens is None else bucket_seqs(cfg, tokens, seqs)
+        _, inputs = step_inputs(cfg, stand_ins, greedy(seqs, penalties))
         return jax.tree.map(lambda x: _abstract(x, self.replicated), inputs)
 
     def compile_forward(self, tokens: int, seqs: int) -> Compiled:
         """The model half of the step for bucket (tokens, seqs)."""
-        md, feed_rows, *_ = self._inputs(bucket_seqs(self.plan.runner, tokens, seqs), seqs)
+        md, feed_rows, *_ = self._inputs(tokens, seqs)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
             return Compiled.of(self._forward, self.state, self.kv_cache, md, feed_rows, self.feed_tokens)
 
     def compile_scored(self, tokens: int, seqs: int) -> Compiled:
         """The model half of a step that also scores every row (prompt logprobs)."""
-        md, feed_rows, *_ = self._inputs(bucket_seqs(self.plan.runner, tokens, seqs), seqs)
+        md, feed_rows, *_ = self._inputs(tokens, seqs)
         targets = jax.ShapeDtypeStruct((tokens,), np.int32, sharding=self.replicated)
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
             return Compiled.of(self._scored, self.state, self.kv_cache, md, feed_rows, self.feed_tokens, targets)
 
     def compile_sample(self, seqs: int, penalties: bool = False) -> Compiled:
         """The sampler for sequence bucket ``seqs`` (the penalised variant if asked)."""
-        _, _, smd, pmd, _ = self._inputs(sampler_seqs(self.plan.runner, seqs), seqs, penalties)
+        _, _, smd, pmd, _ = self._inputs(None, seqs, penalties)
         logits = jax.ShapeDtypeStruct((seqs, self.vocab_size), np.float32, sharding=self.replicated)
         words = (self.vocab_size + 31) // 32  # structured output's token bitmask
         allowed = jax.ShapeDtypeStruct((seqs, words), np.int32, sharding=self.replicated)
