@@ -22,7 +22,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.errors import RequestError, check_token_ids
+from jaxserve.errors import RequestError, check_text, check_token_ids
 from jaxserve.models.checkpoint import open_checkpoint
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.fetch import default_cache_dir, resolve_model
@@ -72,11 +72,14 @@ class EngineHandle:
         last message left open for the model to go on with (``continue_final_message``), or
         neither: the turn closed."""
         if isinstance(prompt, str):
+            check_text(prompt, field)
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             for i, m in enumerate(prompt):
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise RequestError(f"messages[{i}] must have string 'role' and 'content'")
+                check_text(m["role"], f"{field}[{i}].role")
+                check_text(m["content"], f"{field}[{i}].content")
             if not getattr(self.tokenizer, "chat_template", None):
                 raise RequestError(
                     f"{field}: this model's tokenizer has no chat template; send the prompt as text or token ids"

@@ -28,3 +28,15 @@ def check_token_ids(ids, vocab_size: int, field: str) -> None:
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:
             raise RequestError(f"{field}[{i}] = {t}: out of range; allowed 0..{vocab_size - 1}")
+
+
+def check_text(text: str, field: str) -> None:
+    """Raises RequestError if ``text`` is not Unicode a tokenizer can take: a lone surrogate
+    (``"\\ud800"``: Python strings may hold one, UTF-8 cannot) was a TypeError from deep
+    inside the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(
+            f"{field}: not valid Unicode text: a lone surrogate {text[e.start]!r} at character {e.start}"
+        ) from None

@@ -22,6 +22,21 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _items(value):
+    """A list field as a tuple (a lone string as one item); anything not iterable as it is,
+    for its check to name."""
+    if isinstance(value, str):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        return value
+
+
 def _shown(value) -> str:
     """A value for an error message, cut short: errors travel as gRPC metadata (8 KiB)."""
     text = repr(value)
@@ -74,14 +89,12 @@ class SamplingParams:
     json_schema: str | None = None
     json_object: bool = False
     regex: str | None = None
-    choice: tuple[str, ...] = ()
+    choice: tuple[str, ...] | None = None
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop", "stop_token_ids") + (("choice",) if self.choice is not None else ()):
+            object.__setattr__(self, name, _items(getattr(self, name)))
         bias = self.logit_bias
         if isinstance(bias, dict):
             bias = bias.items()
@@ -92,18 +105,15 @@ class SamplingParams:
                 f"sampling_params.logit_bias = {_shown(self.logit_bias)}: must be (token id, bias) pairs"
             ) from None
         object.__setattr__(self, "logit_bias", bias)
-        if isinstance(self.choice, str):
-            object.__setattr__(self, "choice", (self.choice,))
-        object.__setattr__(self, "choice", tuple(self.choice))
         checks = [
             (
                 "max_tokens",
-                isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 0,
+                _int(self.max_tokens) and self.max_tokens >= 0,
                 "an integer >= 0 (0: prefill only, the prompt goes to the prefix cache)",
             ),
             (
                 "n",
-                isinstance(self.n, int) and not isinstance(self.n, bool) and 1 <= self.n <= MAX_N,
+                _int(self.n) and 1 <= self.n <= MAX_N,
                 f"an integer in [1, {MAX_N}]",
             ),
             (
@@ -113,25 +123,27 @@ class SamplingParams:
             ),
             (
                 "top_k",  # the sampler's int32: 10**12 failed the step, every request in it
-                isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and 0 <= self.top_k < 2**31,
+                _int(self.top_k) and 0 <= self.top_k < 2**31,
                 "an integer in [0, 2**31) (0 = disabled)",
             ),
             ("top_p", _number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("min_p", _number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
             (
                 "seed",
-                self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+                self.seed is None or (_int(self.seed) and 0 <= self.seed < 2**63),
                 "None or an integer in [0, 2**63)",
             ),
             (
                 "min_tokens",
-                isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+                # (a bad max_tokens failed its own check above)
+                _int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens if _int(self.max_tokens) else 0),
                 "an integer in [0, max_tokens]",
             ),
             (
                 "stop_token_ids",
-                len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
-                and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                isinstance(self.stop_token_ids, tuple)
+                and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+                and all(_int(t) and t >= 0 for t in self.stop_token_ids),
                 f"at most {MAX_STOP_TOKEN_IDS} non-negative token ids",
             ),
             (
@@ -151,29 +163,23 @@ class SamplingParams:
             ),
             (
                 "logprobs",
-                self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= 20),
                 "None or an integer in [0, 20]",
             ),
             (
                 "prompt_logprobs",
-                self.prompt_logprobs is None
-                or (
-                    isinstance(self.prompt_logprobs, int)
-                    and not isinstance(self.prompt_logprobs, bool)
-                    and 0 <= self.prompt_logprobs <= 20
-                ),
+                self.prompt_logprobs is None or (_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
                 "None or an integer in [0, 20]",
             ),
             (
                 "prompt_logprobs_start",
-                isinstance(self.prompt_logprobs_start, int)
-                and not isinstance(self.prompt_logprobs_start, bool)
-                and self.prompt_logprobs_start >= 0,
+                _int(self.prompt_logprobs_start) and self.prompt_logprobs_start >= 0,
                 "an integer >= 0",
             ),
             (
                 "stop",
-                len(self.stop) <= MAX_STOP_STRINGS
+                isinstance(self.stop, tuple)
+                and len(self.stop) <= MAX_STOP_STRINGS
                 and all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_STRING_LEN for x in self.stop),
                 f"at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_LEN} characters",
             ),
@@ -188,12 +194,13 @@ class SamplingParams:
             checks.append(
                 (name, value is None or (isinstance(value, str) and 0 < len(value) <= limit), text.format(limit))
             )
-        checks.append(("json_object", isinstance(self.json_object, bool), "true or false"))
+        for name in ("json_object", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            checks.append((name, isinstance(getattr(self, name), bool), "true or false"))
         checks.append(
             (
                 "logit_bias",
                 len(self.logit_bias) <= MAX_LOGIT_BIAS
-                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t, _ in self.logit_bias)
+                and all(_int(t) and t >= 0 for t, _ in self.logit_bias)
                 and len({t for t, _ in self.logit_bias}) == len(self.logit_bias),
                 f"at most {MAX_LOGIT_BIAS} distinct token ids (integers >= 0), each with a bias in [-100, 100]",
             )
@@ -201,9 +208,13 @@ class SamplingParams:
         checks.append(
             (
                 "choice",
-                len(self.choice) <= MAX_CHOICES
-                and all(isinstance(c, str) and 0 < len(c) <= MAX_STOP_STRING_LEN for c in self.choice),
-                f"at most {MAX_CHOICES} non-empty strings of at most {MAX_STOP_STRING_LEN} characters",
+                self.choice is None
+                or (
+                    isinstance(self.choice, tuple)
+                    and 0 < len(self.choice) <= MAX_CHOICES
+                    and all(isinstance(c, str) and 0 < len(c) <= MAX_STOP_STRING_LEN for c in self.choice)
+                ),
+                f"None or 1 to {MAX_CHOICES} non-empty strings of at most {MAX_STOP_STRING_LEN} characters",
             )
         )
         for field, ok, allowed in checks:

@@ -200,6 +200,13 @@ def test_bad_prompts(tiny_model_dir):
         llm.generate(["hi"], {"max_tokens": 2})
     with pytest.raises(RequestError, match=r"stop_token_ids\[1\] = 320: out of range; allowed 0..319"):
         llm.generate(["hi"], SamplingParams(stop_token_ids=[3, 320]))
+    # a lone surrogate (a str can hold one; UTF-8 cannot) was a TypeError from the tokenizer
+    with pytest.raises(
+        RequestError, match=r"prompt: not valid Unicode text: a lone surrogate '\\ud800' at character 1"
+    ):
+        llm.generate("a\ud800b")
+    with pytest.raises(RequestError, match=r"prompt\[0\].content: not valid Unicode text: .* at character 0"):
+        llm.generate([[{"role": "user", "content": "\udfff"}]])
     assert llm.kv.pool.num_in_use == 0
     greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     out = llm.generate("The capital", greedy)
@@ -219,6 +226,18 @@ def test_bad_prompts(tiny_model_dir):
         ({"logprobs": 21}, r"logprobs = 21: must be None or an integer in \[0, 20\]"),
         ({"stop": [""]}, "stop = .*non-empty strings"),
         ({"stop_token_ids": list(range(17))}, "stop_token_ids = .*at most 16"),
+        # Each of these was a TypeError from inside the constructor (a comparison of a str
+        # with an int, tuple() of an int), or was taken: a bool as a count, [] as no choice.
+        ({"max_tokens": "5"}, r"max_tokens = '5': must be an integer >= 0"),
+        ({"max_tokens": None}, r"max_tokens = None: must be an integer >= 0"),
+        ({"stop": 5}, r"stop = 5: must be at most 16 non-empty strings"),
+        ({"stop_token_ids": 7}, r"stop_token_ids = 7: must be at most 16 non-negative token ids"),
+        ({"stop_token_ids": [True]}, r"stop_token_ids = \(True,\): must be at most 16 non-negative"),
+        ({"choice": 3}, r"choice = 3: must be None or 1 to 256 non-empty strings"),
+        ({"choice": []}, r"choice = \(\): must be None or 1 to 256 non-empty strings"),
+        ({"logprobs": True}, r"logprobs = True: must be None or an integer in \[0, 20\]"),
+        ({"seed": False}, r"seed = False: must be None or an integer"),
+        ({"ignore_eos": "no"}, r"ignore_eos = 'no': must be true or false"),
     ],
 )
 def test_bad_sampling_params_more(params, message):

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from jaxserve import LLM, lang
+from jaxserve.errors import RequestError
 from tests.conftest import tiny_server
 
 SYSTEM = "The capital of France is Paris. Machine learning and deep learning are fun. " * 6
@@ -154,6 +155,23 @@ def test_forks_stream_and_errors(llm):
             lang.ProgramState(backend).fork(0)
         with pytest.raises(lang.ProgramError, match="run_batch\\(max_concurrency = 0\\): must be an integer >= 1"):
             agent.run_batch(backend, [{"task": "deep"}], max_concurrency=0)
+        # every run's arguments are checked before any run starts (a bad one failed in its
+        # worker thread once the runs beside it had computed; one not a dict, a TypeError)
+        with pytest.raises(lang.ProgramError, match=r"run_batch\(arguments\[1\]\): agent: missing a required argument"):
+            agent.run_batch(backend, [{"task": "deep"}, {"job": "x"}])
+        with pytest.raises(
+            lang.ProgramError, match=r"run_batch\(arguments\[0\]\): agent: its arguments must be a dict"
+        ):
+            agent.run_batch(backend, ["deep"])
+        with pytest.raises(
+            lang.ProgramError, match=r"run_batch\(arguments\): a list of dicts \(one per run\), not str"
+        ):
+            agent.run_batch(backend, "deep")
+        with pytest.raises(RequestError, match=r"the program's text: not valid Unicode text: a lone surrogate"):
+            agent.run(backend, task="\ud800")
+        with pytest.raises(RequestError, match=r"sampling_params.max_tokens = '5': must be an integer >= 0"):
+            lang.gen("x", max_tokens="5")
+        assert backend.stats()["kv_pages_held"] == 0
 
 
 def test_a_gen_takes_a_structured_output_constraint(llm):
@@ -278,6 +296,7 @@ def test_select_agrees_with_transformers_summed_logprobs(tiny_model_dir):
 LEAVES_EARLY = """
 import sys
 from jaxserve import LLM, lang
+from jaxserve.errors import RequestError
 llm = LLM(sys.argv[1], dtype="float32", num_pages=64, max_num_seqs=4, max_num_batched_tokens=64, progress=False)
 
 @lang.function

@@ -133,7 +133,7 @@ BAD = [
     (dict(json_schema='{"type": "bogus"}'), r"(?s)sampling_params.json_schema: .*bogus"),
     (dict(grammar="start: ( "), r"sampling_params.grammar: "),
     (dict(regex="a+", choice=("a",)), r"sampling_params.choice: only one structured-output constraint"),
-    (dict(choice=("",)), r"sampling_params.choice = \('',\): must be at most 256 non-empty strings"),
+    (dict(choice=("",)), r"sampling_params.choice = \('',\): must be None or 1 to 256 non-empty strings"),
     (dict(regex=""), r"sampling_params.regex = '': must be a non-empty string"),
 ]
 

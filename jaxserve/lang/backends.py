@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from jaxserve.errors import JaxServeError
+from jaxserve.errors import JaxServeError, check_text
 from jaxserve.sampling_params import SamplingParams
 
 ROLES = ("system", "user", "assistant")
@@ -83,6 +83,7 @@ class Backend:
     tokenizer: Any
 
     def encode(self, text: str) -> list[int]:
+        check_text(text, "the program's text")
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
     @property

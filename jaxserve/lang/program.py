@@ -33,7 +33,7 @@ import inspect
 import queue
 import threading
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from jaxserve.lang.backends import Backend, ProgramError
@@ -376,11 +376,17 @@ class Program:
         self.arg_names = params[1:]
         functools.update_wrapper(self, fn)
 
-    def _call(self, state, kwargs: dict) -> None:
+    def _bind(self, kwargs: dict) -> None:
+        """Raises ProgramError unless the program takes these arguments."""
+        if not isinstance(kwargs, Mapping):
+            raise ProgramError(f"{self.fn.__name__}: its arguments must be a dict, not {type(kwargs).__name__}")
         try:
-            inspect.signature(self.fn).bind(state, **kwargs)
+            inspect.signature(self.fn).bind(None, **kwargs)
         except TypeError as e:
             raise ProgramError(f"{self.fn.__name__}: {e}") from None
+
+    def _call(self, state, kwargs: dict) -> None:
+        self._bind(kwargs)
         self.fn(state, **kwargs)
 
     def run(self, backend: Backend, **kwargs) -> ProgramState:
@@ -436,6 +442,13 @@ class Program:
         instead of racing to compute it."""
         if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
             raise ProgramError(f"run_batch(max_concurrency = {max_concurrency!r}): must be an integer >= 1")
+        if not isinstance(arguments, Sequence) or isinstance(arguments, str):
+            raise ProgramError(f"run_batch(arguments): a list of dicts (one per run), not {type(arguments).__name__}")
+        for i, kwargs in enumerate(arguments):  # all of them before any run starts
+            try:
+                self._bind(kwargs)
+            except ProgramError as e:
+                raise ProgramError(f"run_batch(arguments[{i}]): {e}") from None
         lease = None
         if warm:
             trace = self.trace(backend)

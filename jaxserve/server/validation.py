@@ -42,7 +42,8 @@ def _from_wire(msg: pb.SamplingParams) -> dict:
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
             kwargs[name] = tuple((k, _wire_float(v)) for k, v in getattr(msg, name).items())
         elif field.is_repeated:
-            kwargs[name] = tuple(getattr(msg, name))
+            if getattr(msg, name):  # proto3: an empty list is one not set (choice: None)
+                kwargs[name] = tuple(getattr(msg, name))
         elif msg.HasField(name):
             value = getattr(msg, name)
             kwargs[name] = _wire_float(value) if field.type == field.TYPE_FLOAT else value
