@@ -20,6 +20,8 @@ from jaxserve.engine.request import Request
 from jaxserve.errors import ConfigError, EngineError, RequestError
 from jaxserve.sampling_params import SamplingParams
 
+ONE_PROMPT = "one prompt (a string, a list of token ids, or a list of chat messages)"
+
 __all__ = ["LLM", "ChatMessages", "PinnedPrefix", "Prompt", "RequestOutput"]
 
 
@@ -101,11 +103,15 @@ class LLM:
         return self.handle.encode(prompt)
 
     @staticmethod
-    def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    def _as_list(prompts: Prompt | Sequence[Prompt], what: str = "prompts") -> list[Prompt]:
+        one = "one conversation (a list of chat messages)" if what == "conversations" else ONE_PROMPT
         if isinstance(prompts, str):
             return [prompts]
         if isinstance(prompts, list) and prompts and all(isinstance(p, (int, dict)) for p in prompts):
             return [prompts]
+        # a lone message (a dict) would list its keys as prompts: "role", "content"
+        if isinstance(prompts, (dict, bytes)) or not hasattr(prompts, "__iter__"):
+            raise RequestError(f"{what}: {one} or a list of them; got a {type(prompts).__name__}")
         return list(prompts)
 
     # -- generation ----------------------------------------------------------------
@@ -161,7 +167,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Replies to one conversation (a list of ``{"role", "content"}`` messages) or to each
         of several, through the model's chat template; outputs in order."""
-        conversations = self._as_list(conversations)
+        conversations = self._as_list(conversations, "conversations")
         for i, c in enumerate(conversations):
             if not (isinstance(c, list) and c and all(isinstance(m, dict) for m in c)):
                 raise RequestError(f"conversations[{i}] must be a non-empty list of {{role, content}} messages")
@@ -170,7 +176,7 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields text deltas of one completion as tokens are generated."""
         encoded = [self.encode(prompt)]
-        params = sampling_params or SamplingParams()
+        params = self._params_per_prompt(sampling_params, 1)[0]
         if params.n != 1:
             raise RequestError(f"sampling_params.n = {params.n}: stream gives one completion; use generate for n > 1")
         if self.engine.handoff is not None:
@@ -209,6 +215,10 @@ class LLM:
     def unpin(self, lease: PinnedPrefix | str) -> bool:
         """Ends a pin now; False if it had ended or expired already."""
         lease_id = lease.lease_id if isinstance(lease, PinnedPrefix) else lease
+        if not isinstance(lease_id, str):
+            raise RequestError(
+                f"unpin: a PinnedPrefix (what pin returned) or its lease_id; got a {type(lease).__name__}"
+            )
         if self.engine.handoff is not None:
             return bool(self.engine.handoff.call(lambda engine: engine.unpin(lease_id)))
         with self.engine.owned_by_current_thread("an offline LLM.unpin call"):

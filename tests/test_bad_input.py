@@ -207,6 +207,17 @@ def test_bad_prompts(tiny_model_dir):
         llm.generate("a\ud800b")
     with pytest.raises(RequestError, match=r"prompt\[0\].content: not valid Unicode text: .* at character 0"):
         llm.generate([[{"role": "user", "content": "\udfff"}]])
+    # a lone message (a dict) was listed as its keys: completions of "role" and "content"
+    with pytest.raises(RequestError, match=r"prompts: one prompt \(a string, .*\) or a list of them; got a dict"):
+        llm.generate({"role": "user", "content": "hi"})
+    with pytest.raises(RequestError, match=r"prompts: one prompt .* got a NoneType"):  # was a TypeError
+        llm.generate(None)
+    with pytest.raises(RequestError, match=r"conversations: one conversation .* got a NoneType"):
+        llm.chat(None)
+    with pytest.raises(RequestError, match=r"sampling_params: one SamplingParams, .* got a dict"):  # AttributeError
+        next(llm.stream("hi", {"max_tokens": 2}))
+    with pytest.raises(RequestError, match=r"unpin: a PinnedPrefix \(what pin returned\) or its lease_id; got a list"):
+        llm.unpin([])
     assert llm.kv.pool.num_in_use == 0
     greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     out = llm.generate("The capital", greedy)
