@@ -62,10 +62,16 @@ def rss_bytes() -> int:
 LONG = 512  # max_tokens of calls meant to be cut short: they must not end on their own first
 
 
-async def _one(addr: str, kind: str, rng: random.Random, vocab: int, max_tokens: int, unexpected: list) -> bool:
-    """Runs one call of ``kind``; returns False if the server was busy (RESOURCE_EXHAUSTED)."""
-    prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 48))]
-    n = rng.randint(1, max_tokens)
+async def _one(
+    addr: str, kind: str, rng: random.Random, vocab: int, max_tokens: int, context: int, unexpected: list
+) -> bool:
+    """Runs one call of ``kind``; returns False if the server was busy (RESOURCE_EXHAUSTED).
+    Prompt and output fit ``context`` (the server's max_model_len): only ``bad`` calls are
+    meant to be refused."""
+    prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, max(1, min(48, context // 4))))]
+    room = context - len(prompt)
+    n = rng.randint(1, min(max_tokens, room))
+    long = min(LONG, room)
     sampling = dict(max_tokens=n, temperature=rng.choice([0.0, 0.7, 1.0]), ignore_eos=True, seed=rng.randrange(1000))
     async with grpc.aio.insecure_channel(addr) as channel:
         stub = pb_grpc.JaxServeStub(channel)
@@ -81,7 +87,7 @@ async def _one(addr: str, kind: str, rng: random.Random, vocab: int, max_tokens:
                 if got != n:
                     unexpected.append(f"stream: {got} of {n} tokens")
             elif kind in ("cancel", "disconnect"):
-                call = stub.StreamGenerate(build_request(prompt, **dict(sampling, max_tokens=LONG)))
+                call = stub.StreamGenerate(build_request(prompt, **dict(sampling, max_tokens=long)))
                 want = rng.randint(1, 3)
                 async for _ in call:
                     want -= 1
@@ -93,13 +99,13 @@ async def _one(addr: str, kind: str, rng: random.Random, vocab: int, max_tokens:
                     await channel.close(grace=None)  # the connection goes, not just the call
             elif kind == "deadline":
                 try:
-                    await stub.Generate(build_request(prompt, **dict(sampling, max_tokens=LONG)), timeout=0.05)
+                    await stub.Generate(build_request(prompt, **dict(sampling, max_tokens=long)), timeout=0.05)
                 except grpc.aio.AioRpcError as e:
                     if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, *BUSY):
                         unexpected.append(f"deadline: {e.code().name}: {e.details()[:200]}")
             elif kind == "self_abort":
                 request_id = f"soak-{rng.getrandbits(64):x}"
-                call = stub.StreamGenerate(build_request(prompt, request_id, **dict(sampling, max_tokens=LONG)))
+                call = stub.StreamGenerate(build_request(prompt, request_id, **dict(sampling, max_tokens=long)))
                 last = None
                 async for msg in call:
                     if last is None:
@@ -124,8 +130,11 @@ async def _one(addr: str, kind: str, rng: random.Random, vocab: int, max_tokens:
     return True
 
 
-async def soak(addr: str, seconds: float, rate: float, vocab: int, max_tokens: int = 24, seed: int = 0) -> SoakReport:
-    """Poisson arrivals at ``rate`` per second for ``seconds``; waits for every call."""
+async def soak(
+    addr: str, seconds: float, rate: float, vocab: int, max_tokens: int = 24, seed: int = 0, context: int = 8192
+) -> SoakReport:
+    """Poisson arrivals at ``rate`` per second for ``seconds``; waits for every call.
+    ``context``: the server's max_model_len."""
     rng = random.Random(seed)
     counts = {k: 0 for k in KINDS}
     unexpected: list[str] = []
@@ -136,7 +145,9 @@ async def soak(addr: str, seconds: float, rate: float, vocab: int, max_tokens: i
         kind = rng.choice(KINDS)
         counts[kind] += 1
         tasks.append(
-            asyncio.create_task(_one(addr, kind, random.Random(rng.getrandbits(64)), vocab, max_tokens, unexpected))
+            asyncio.create_task(
+                _one(addr, kind, random.Random(rng.getrandbits(64)), vocab, max_tokens, context, unexpected)
+            )
         )
         await asyncio.sleep(rng.expovariate(rate))
     results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -204,7 +215,8 @@ def main() -> None:
     rss = [rss_bytes()]
     reports = []
     for i in range(2):
-        reports.append(asyncio.run(soak(addr, half, args.rate, llm.model_config.vocab_size, args.max_tokens, seed=i)))
+        vocab, context = llm.model_config.vocab_size, llm.max_model_len
+        reports.append(asyncio.run(soak(addr, half, args.rate, vocab, args.max_tokens, seed=i, context=context)))
         snap = wait_idle(server)
         rss.append(rss_bytes())
     handle.stop()

@@ -41,7 +41,8 @@ def _still_serving(addr: str) -> None:
 
 def test_short_soak(soaked):
     llm, server, addr, failures = soaked
-    report = asyncio.run(soak(addr, seconds=20, rate=6, vocab=llm.model_config.vocab_size, max_tokens=12))
+    vocab, context = llm.model_config.vocab_size, llm.max_model_len
+    report = asyncio.run(soak(addr, seconds=20, rate=6, vocab=vocab, max_tokens=12, context=context))
     assert sum(report.counts.values()) >= 60 and all(report.counts.values()), report.counts
     assert report.unexpected == []
     snap = wait_idle(server)
