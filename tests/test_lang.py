@@ -319,3 +319,9 @@ def test_a_script_that_ends_with_its_backend_still_generating_exits_0(tiny_path)
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "terminate called" not in done.stderr
+
+
+def test_an_endpoint_with_no_server_there_is_one_error():
+    """It was grpc's _InactiveRpcError with its debug string, from the tokenizer's lookup."""
+    with pytest.raises(lang.ProgramError, match=r"Endpoint\('127.0.0.1:1'\): the jaxserve gRPC API does not answer \("):
+        lang.Endpoint("127.0.0.1:1")

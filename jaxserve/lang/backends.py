@@ -169,7 +169,17 @@ class Endpoint(Backend):
         from jaxserve.client import Client
 
         self.client = Client(address, credentials)
-        self.tokenizer = _load_tokenizer(model or self.client.model_info(timeout=60).model)
+        if model is None:
+            import grpc
+
+            try:
+                model = self.client.model_info(timeout=60).model
+            except grpc.RpcError as e:
+                self.client.close()
+                raise ProgramError(
+                    f"Endpoint({address!r}): the jaxserve gRPC API does not answer ({e.code().name}: {e.details()})"
+                ) from None
+        self.tokenizer = _load_tokenizer(model)
 
     def submit(self, token_ids, params, pin_s=None, on_text=None):
         from jaxserve.client import build_request
