@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve import LLM, lang
 from jaxserve.errors import RequestError
-from tests.conftest import tiny_server
+from tests.conftest import tiny_server, wait_until
 
 SYSTEM = "The capital of France is Paris. Machine learning and deep learning are fun. " * 6
 TASKS = ["Paris", "Machine", "deep", "France", "fun", "capital", "learning", "The"]  # distinct first tokens
@@ -215,12 +215,39 @@ def test_the_same_program_gives_the_same_outputs_offline_and_over_grpc(tiny_path
             assert remote.stats().leases == 0
             streamed = "".join(agent.stream(remote, task=TASKS[0]))
             assert streamed == expected[0].text
+            _check_a_closed_stream_ends_its_call(remote, server.engine_thread.call)
             remote_pick = quiz.run(remote, q="Paris is")
         with lang.LLMBackend(llm) as offline:
             local_pick = quiz.run(offline, q="Paris is")
         assert remote_pick["a"] == local_pick["a"]
         assert remote_pick.scores["a"] == pytest.approx(local_pick.scores["a"], abs=1e-5)
         server.engine_thread.call(lambda e: e.scheduler.check_integrity())
+
+
+@lang.function
+def story(s):
+    s += "Tell me a story: " + lang.gen("a", max_tokens=900, ignore_eos=True)
+    s += "And another: " + lang.gen("b", max_tokens=900, ignore_eos=True)
+
+
+def _check_a_closed_stream_ends_its_call(backend, on_engine) -> None:
+    """A stream closed after its first piece (the text before the first gen): that gen is
+    aborted at its next text, the second never sent. Before, the program went on for a
+    reader long gone: the first gen's 900 tokens, then the second's."""
+    decoded = lambda: on_engine(lambda e: e.stats()["decode_tokens"])  # noqa: E731
+    before = decoded()
+    pieces = story.stream(backend)
+    assert next(pieces) == "Tell me a story: "
+    pieces.close()
+    # the gen may be sent after the reader left: wait for its first token, then its end
+    ended = lambda: decoded() > before and not on_engine(lambda e: e.has_unfinished())  # noqa: E731
+    wait_until(ended, "the closed stream's call to end")
+    assert decoded() - before < 450  # a few tokens; to the end (899 decoded after its first) before
+
+
+def test_a_closed_stream_ends_its_call_offline(llm):
+    with lang.LLMBackend(llm) as backend:
+        _check_a_closed_stream_ends_its_call(backend, backend._thread.call)
 
 
 QUESTIONS = [

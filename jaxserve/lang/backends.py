@@ -141,7 +141,11 @@ class LLMBackend(Backend):
             if delta.error is not None:
                 raise ProgramError(f"the engine failed the call: {delta.error}")
             if on_text is not None and delta.text:
-                on_text(delta.text)
+                try:
+                    on_text(delta.text)
+                except BaseException:  # the reader went (a stream closed): the call ends too
+                    self._thread.abort(sub.request.request_id)
+                    raise
             if delta.finish_reason is not None:
                 break
         r = sub.request
@@ -208,7 +212,11 @@ class Endpoint(Backend):
                     ids += last.token_ids
                     text += last.text
                     if last.text:
-                        on_text(last.text)
+                        try:
+                            on_text(last.text)
+                        except BaseException:  # the reader went: the server aborts the cancelled call
+                            call.cancel()
+                            raise
         except grpc.RpcError as e:
             raise ProgramError(f"the server refused the call: {e.code().name}: {e.details()}") from None
         finish = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}.get(last.finish_reason, "abort")

@@ -395,24 +395,37 @@ class Program:
         return state.finish()
 
     def stream(self, backend: Backend, **kwargs) -> Iterator[str]:
-        """One run's text as it is appended (a gen's as it is generated)."""
+        """One run's text as it is appended (a gen's as it is generated). Closing the
+        iterator early (``break``, ``close()``) ends the run at its next piece of text: the
+        call generating it is aborted, nothing after it is sent."""
         pieces: queue.Queue = queue.Queue()
         done = object()
+        closed = threading.Event()
+
+        def emit(text: str) -> None:
+            if closed.is_set():
+                raise _StreamClosed  # out through the backend's result, which aborts the call
+            pieces.put(text)
 
         def target():
             try:
-                state = ProgramState(backend, on_text=pieces.put)
+                state = ProgramState(backend, on_text=emit)
                 self._call(_Eager(state), kwargs)
                 state.finish()
+            except _StreamClosed:
+                pass
             except BaseException as e:  # noqa: BLE001 - re-raised on the reading side
                 pieces.put(e)
             pieces.put(done)
 
         threading.Thread(target=target, name=f"jaxserve-lang-{self.fn.__name__}", daemon=True).start()
-        while (piece := pieces.get()) is not done:
-            if isinstance(piece, BaseException):
-                raise piece
-            yield piece
+        try:
+            while (piece := pieces.get()) is not done:
+                if isinstance(piece, BaseException):
+                    raise piece
+                yield piece
+        finally:
+            closed.set()
 
     def trace(self, backend: Backend) -> Trace:
         """The shared prefix and call sites, from one run on placeholders (no model call)."""
@@ -461,6 +474,10 @@ class Program:
         finally:
             if lease is not None:
                 backend.unpin(lease)
+
+
+class _StreamClosed(Exception):
+    """The reader of ``Program.stream`` stopped reading: the run ends here."""
 
 
 class _Eager:
