@@ -48,6 +48,9 @@ def test_warming_up_is_503_then_health_and_models(api):
     assert httpx.get(f"{base}/health").status_code == 200
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"  # was FastAPI's own 404
+    with pytest.raises(openai.NotFoundError, match="model = 'other': this server serves 'tiny'"):
+        client.models.retrieve("other")
 
 
 def test_chat_and_completions_match_grpc_and_offline(api):

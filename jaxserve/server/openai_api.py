@@ -315,17 +315,15 @@ class OpenAIServer:
         return await self._unless_disconnected(request, collect())
 
     def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict:
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "jaxserve",
-                    "max_model_len": self.handle.max_model_len,
-                }
-            ],
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "jaxserve",
+            "max_model_len": self.handle.max_model_len,
         }
 
     async def tokenize(self, request: Request) -> dict:
@@ -393,6 +391,12 @@ class OpenAIServer:
         async def models(request: Request):
             self._client(request)
             return self.models()
+
+        @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve)
+        async def model(request: Request, model: str):
+            self._client(request)
+            self._check_model(model)
+            return self.model_card()
 
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat)
