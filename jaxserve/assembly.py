@@ -22,7 +22,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.errors import RequestError, check_text, check_token_ids
+from jaxserve.errors import RequestError, check_prompt_ids, check_text, prompt_too_long
 from jaxserve.models.checkpoint import open_checkpoint
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.fetch import default_cache_dir, resolve_model
@@ -96,21 +96,14 @@ class EngineHandle:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         elif isinstance(prompt, list):
             if len(prompt) >= self.max_model_len:  # before a walk of every id: 5M of them took ~1 s
-                raise RequestError(self._too_long(field, len(prompt)))
+                raise RequestError(prompt_too_long(field, len(prompt), self.max_model_len))
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 raise RequestError(NOT_A_PROMPT)
             ids = list(prompt)
-            check_token_ids(ids, self.model_config.vocab_size, field)
         else:
             raise RequestError(NOT_A_PROMPT)
-        if not ids:
-            raise RequestError(f"{field}: the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(self._too_long(field, len(ids)))
+        check_prompt_ids(ids, self.max_model_len, self.model_config.vocab_size, field)
         return ids
-
-    def _too_long(self, field: str, n: int) -> str:
-        return f"{field}: {n} tokens; must be shorter than max_model_len ({self.max_model_len})"
 
 
 def assemble(cfg: EngineConfig, progress: bool = True, warmup: bool = False) -> EngineHandle:

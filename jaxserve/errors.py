@@ -30,6 +30,22 @@ def check_token_ids(ids, vocab_size: int, field: str) -> None:
             raise RequestError(f"{field}[{i}] = {t}: out of range; allowed 0..{vocab_size - 1}")
 
 
+def prompt_too_long(field: str, n: int, max_model_len: int) -> str:
+    return f"{field}: {n} tokens; must be shorter than max_model_len ({max_model_len})"
+
+
+def check_prompt_ids(ids, max_model_len: int, vocab_size: int | None, field: str = "prompt") -> None:
+    """Raises RequestError unless ``ids`` is a prompt an engine can hold: not empty, shorter
+    than max_model_len, every id in the vocabulary (its min and max first, at C speed: the
+    walk that names a bad id only when there is one)."""
+    if not ids:
+        raise RequestError(f"{field}: the prompt is empty")
+    if len(ids) >= max_model_len:
+        raise RequestError(prompt_too_long(field, len(ids), max_model_len))
+    if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
+        check_token_ids(ids, vocab_size, field)
+
+
 def check_text(text: str, field: str) -> None:
     """Raises RequestError if ``text`` is not Unicode a tokenizer can take: a lone surrogate
     (``"\\ud800"``: Python strings may hold one, UTF-8 cannot) was a TypeError from deep

@@ -199,6 +199,33 @@ def test_bench_latency_and_prefix_cache_report(tiny_model_dir, capsys):
     assert int(computed["token"]) < int(computed["off"])  # the shared prefix was computed once per group
 
 
+def test_a_workload_longer_than_the_context_is_one_error(tiny_model_dir, capsys):
+    """Prompt + output past max_model_len: offline was a RuntimeError (a request ended
+    early) or an IndexError inside a step (a prompt longer than the context), latency a
+    figure per token it never made, prefix-cache a header of outputs it did not produce."""
+    path, _ = tiny_model_dir("llama3")
+    small = [*_engine_args(path), "--set", "max_model_len=64", "--quiet"]
+    capsys.readouterr()  # the fixture's own output
+    cases = [
+        (
+            ["offline", "--requests", "2", "--prompt", "40", "--output", "30"],
+            "the longest request (--prompt + --output): 70",
+        ),
+        (
+            ["offline", "--requests", "2", "--prompt", "90", "--output", "2"],
+            "the longest request (--prompt + --output): 92",
+        ),
+        (["latency", "--prompt-len", "40", "--new-tokens", "30"], "--prompt-len + --new-tokens + 1: 71"),
+        (["prefix-cache", "--system-len", "40", "--output-len", "30"], "the longest request (prompt + --output-len): "),
+    ]
+    for argv, says in cases:
+        assert main(["bench", *argv, *small]) == 2, argv
+        err = capsys.readouterr().err
+        assert (
+            err.startswith(f"jaxserve: error: {says}") and "max_model_len is 64" in err and len(err.splitlines()) == 1
+        )
+
+
 def test_bench_serve_with_no_server_there_is_one_error(capsys):
     """Nothing listening: one line naming --server (gRPC was a report of every request
     failing, every figure nan; HTTP already said it)."""
@@ -231,6 +258,7 @@ def test_bench_variant_errors_name_the_format(capsys):
         (["bench", "serve", "--vocab", "1"], "1: must be an integer >= 2"),
         (["bench", "serve", "--interval", "nan"], "nan: must be a number of seconds > 0"),
         (["bench", "agent", "--max-concurrency", "0"], "0: must be an integer >= 1"),
+        (["bench", "offline", "--hf-batch", "0"], "'0': each must be an integer >= 1"),  # a ValueError after the rows
         (["compile", "--topology", "v5e:2x2", "--bucket", "x:y"], "'x:y': expected TOKENS:SEQS, integers"),
         (["compile", "--topology", "v5e:2x2", "--bucket", "64:0"], "'64:0': must be TOKENS:SEQS, both >= 1"),
         # Output files are checked before the run (a missing folder was a traceback after it, the figures lost)

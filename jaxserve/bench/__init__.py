@@ -120,6 +120,30 @@ def span(text: str) -> tuple[int, int]:
     return bounds
 
 
+def sizes(text: str) -> list[int]:
+    """``B[,B...]`` -> [B, ...], each >= 1 (an argparse ``type``)."""
+    try:
+        values = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers >= 1") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: each must be an integer >= 1")
+    return values
+
+
+def fits_context(longest: int, what: str, max_model_len: int) -> None:
+    """Raises ConfigError if a benchmark's longest request (prompt + output tokens) does
+    not fit the engine's context: it would end early at max_model_len and the figures
+    would count tokens it never produced."""
+    from jaxserve.errors import ConfigError
+
+    if longest > max_model_len:
+        raise ConfigError(
+            f"{what}: {longest} tokens; the engine's max_model_len is {max_model_len} "
+            "(shorter prompts or outputs, or --set max_model_len=...)"
+        )
+
+
 def bucket(text: str) -> tuple[int, int]:
     """``TOKENS:SEQS`` -> (tokens, seqs), both >= 1: a step bucket pair (an argparse ``type``)."""
     tokens, sep, seqs = text.partition(":")

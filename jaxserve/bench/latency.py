@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from jaxserve.bench import add_engine_options, at_least, engine_config, footer
+from jaxserve.bench import add_engine_options, at_least, engine_config, fits_context, footer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,7 +25,9 @@ def main(args: argparse.Namespace) -> int:
 
     cfg = engine_config(args, "enable_prefix_caching=false", "max_num_seqs=1")
     llm = LLM(config=cfg, progress=not args.quiet)
-    prompt = [i % 1000 + 100 for i in range(args.prompt_len)]
+    # the first token and new_tokens more (decode's tokens after the first)
+    fits_context(args.prompt_len + args.new_tokens + 1, "--prompt-len + --new-tokens + 1", llm.max_model_len)
+    prompt = [(i % 1000 + 100) % llm.model_config.vocab_size for i in range(args.prompt_len)]
 
     def run() -> tuple[float, float]:
         """(seconds to the first token, seconds per later token) of one request, timed step

@@ -39,7 +39,7 @@ import random
 import time
 from typing import NamedTuple
 
-from jaxserve.bench import add_engine_options, at_least, engine_config, footer, parse_variant, span
+from jaxserve.bench import add_engine_options, at_least, engine_config, fits_context, footer, parse_variant, sizes, span
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", type=span, default="16:128", help="output length range LO:HI")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]")
     p.add_argument("--static", action="store_true", help="add the config in static batching")
-    p.add_argument("--hf-batch", default=None, help="comma-separated transformers batch sizes, each a row")
+    p.add_argument("--hf-batch", type=sizes, default=[], help="comma-separated transformers batch sizes, each a row")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--repeat",
@@ -104,6 +104,7 @@ def run_engine(cfg, work, params, static: bool, quiet: bool, repeat: int = 1) ->
     from jaxserve import LLM
 
     llm = LLM(config=cfg, progress=not quiet)  # warmed up: the workload alone is timed
+    fits_context(max(len(ids) + m for ids, m in work), "the longest request (--prompt + --output)", llm.max_model_len)
     compiles = llm.stats()["num_compiles"]
     runs: list[Run] = []
     produced = 0
@@ -225,7 +226,7 @@ def main(args: argparse.Namespace) -> int:
     for name, cfg, static, regex in rows:
         seconds[name], produced[name], profile = run_engine(cfg, work, params[regex], static, args.quiet, args.repeat)
         print(f"  {name}: {profile}", flush=True)
-    for batch in [int(b) for b in args.hf_batch.split(",")] if args.hf_batch else []:
+    for batch in args.hf_batch:
         seconds[f"transformers float32, batch {batch}"] = run_hf(model_path, work, batch)
     first = output_tokens / seconds["config"]
     print(f"{'row':40s} {'seconds':>8s} {'output tok/s':>13s} {'total tok/s':>12s} {'speed':>10s}")

@@ -12,7 +12,7 @@ import argparse
 import random
 import time
 
-from jaxserve.bench import add_engine_options, at_least, engine_config, footer
+from jaxserve.bench import add_engine_options, at_least, engine_config, fits_context, footer
 
 MODES = {"off": "enable_prefix_caching=false", "page": "prefix_match=page", "token": "prefix_match=token"}
 
@@ -55,6 +55,8 @@ def main(args: argparse.Namespace) -> int:
                 args.groups * 2, args.questions, args.short_len, 6, vocab, 1
             ),
         }
+        longest = max(len(p) for prompts in workloads.values() for p in prompts) + args.output_len
+        fits_context(longest, "the longest request (prompt + --output-len)", llm.max_model_len)
         for name, prompts in workloads.items():
             before = llm.stats()
             t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from jaxserve.engine.output import OutputStage
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Pending, Sampled, Scheduler, SchedulerOutput
 from jaxserve.engine.structured import GrammarCompiler
-from jaxserve.errors import JaxServeError, RequestError, check_token_ids
+from jaxserve.errors import JaxServeError, RequestError, check_prompt_ids, check_token_ids
 from jaxserve.runner import compile_counter
 from jaxserve.runner.batch import ScheduledSeq
 from jaxserve.runner.model_runner import ModelRunner
@@ -134,9 +134,13 @@ class Engine:
         seconds (``request.lease_id``; ``unpin`` ends it sooner).
 
         Raises:
-            RequestError: ``pin_s`` out of range, or pinning without a prefix cache.
+            RequestError: an empty prompt, one of max_model_len tokens or more, an id outside
+                the vocabulary (the front doors check these as they encode; a caller handing
+                ids straight here met an IndexError inside a step), ``pin_s`` out of range,
+                or pinning without a prefix cache.
         """
         self._check_owner("add_request")
+        check_prompt_ids(prompt_token_ids, self.scheduler.max_model_len, self.grammars.vocab_size)
         if params.prompt_logprobs is not None and getattr(self.runner, "channel", None) is not None:
             raise RequestError(
                 "sampling_params.prompt_logprobs: not available on a multi-host deployment "
