@@ -16,28 +16,55 @@ from collections.abc import Callable, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from jaxserve.errors import RequestError
 from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
 
 
 def build_request(prompt, request_id: str = "", pin_s: float | None = None, **sampling) -> pb.GenerateRequest:
-    """A GenerateRequest from a text, a token-id list or chat messages, and sampling fields;
-    ``pin_s``: pin the finished request's tokens in the prefix cache that long (a lease)."""
+    """A GenerateRequest from a text, a token-id list or chat messages, and sampling fields
+    (None: not set); ``pin_s``: pin the finished request's tokens in the prefix cache that
+    long (a lease). A value the wire cannot carry is a RequestError naming its field (the
+    server checks the rest)."""
     req = pb.GenerateRequest(request_id=request_id)
     if pin_s is not None:
-        req.pin_s = pin_s
+        _assign(req, "pin_s", pin_s, "")
     if isinstance(prompt, str):
         req.text = prompt
-    elif prompt and all(isinstance(m, dict) for m in prompt):
-        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        for i, m in enumerate(prompt):
+            if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise RequestError(f"prompt[{i}]: a chat message needs a string 'role' and 'content'")
+            req.chat.messages.append(pb.ChatMessage(role=m["role"], content=m["content"]))
+    elif isinstance(prompt, (list, tuple)):
+        _assign(req.token_ids, "ids", prompt, "prompt.")
     else:
-        req.token_ids.ids.extend(prompt)
-    stop = sampling.pop("stop", None) or ()
-    stop_ids = sampling.pop("stop_token_ids", None) or ()
-    req.sampling_params.CopyFrom(pb.SamplingParams(**sampling))
-    req.sampling_params.stop.extend([stop] if isinstance(stop, str) else stop)
-    req.sampling_params.stop_token_ids.extend(stop_ids)
+        raise RequestError(
+            f"prompt: a string, a list of token ids or a list of chat messages; got a {type(prompt).__name__}"
+        )
+    for name, value in sampling.items():
+        if value is not None:
+            _assign(req.sampling_params, name, value, "sampling_params.")
     return req
+
+
+def _assign(msg, name: str, value, path: str) -> None:
+    """``msg.name = value`` (extended for a list, updated for a map), or a RequestError
+    naming ``path + name``: protobuf's own errors name no field."""
+    fields = msg.DESCRIPTOR.fields_by_name
+    field = fields.get(name)
+    if field is None:
+        raise RequestError(f"{path}{name}: no such field; allowed: {', '.join(sorted(fields))}")
+    try:
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            getattr(msg, name).update(value)
+        elif field.is_repeated:
+            getattr(msg, name).extend([value] if isinstance(value, str) else value)
+        else:
+            setattr(msg, name, value)
+    except (TypeError, ValueError) as e:
+        shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:80]}..."
+        raise RequestError(f"{path}{name} = {shown}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -303,3 +303,25 @@ def test_a_killed_fetch_leaves_nothing_behind(tmp_path, monkeypatch):
     target = fetch_module.fetch("smollm2-135m-instruct", tmp_path, quiet=True)
     assert target.read_bytes() == b"GGUF"
     assert sorted(p.name for p in model_dir.iterdir()) == [".fetch.lock", target.name]
+
+
+@pytest.mark.parametrize(
+    "prompt, fields, says",
+    [
+        ("hi", dict(max_tokens="5"), r"sampling_params.max_tokens = '5': 'str' object cannot be interpreted"),
+        ("hi", dict(temperature="hot"), r"sampling_params.temperature = 'hot': must be real number"),
+        ("hi", dict(stop_token_ids=["a"]), r"sampling_params.stop_token_ids = \['a'\]: "),
+        ("hi", dict(seed=-5), r"sampling_params.seed = -5: Value out of range"),
+        ("hi", dict(nonsense=1), r"sampling_params.nonsense: no such field; allowed: choice, "),
+        ("hi", dict(pin_s="x"), r"pin_s = 'x': must be real number"),
+        (None, {}, r"prompt: a string, a list of token ids or a list of chat messages; got a NoneType"),
+        ([1.5], {}, r"prompt.ids = \[1.5\]: 'float' object cannot be interpreted"),
+        ([{"role": "user"}], {}, r"prompt\[0\]: a chat message needs a string 'role' and 'content'"),  # a KeyError
+    ],
+)
+def test_the_grpc_clients_request_errors_name_the_field(prompt, fields, says):
+    """Each was protobuf's TypeError / ValueError, naming no field."""
+    from jaxserve.client import build_request
+
+    with pytest.raises(RequestError, match=says):
+        build_request(prompt, **fields)
