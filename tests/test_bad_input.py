@@ -219,7 +219,7 @@ def test_bad_prompts(tiny_model_dir):
     with pytest.raises(RequestError, match=r"unpin: a PinnedPrefix \(what pin returned\) or its lease_id; got a list"):
         llm.unpin([])
     # the engine's own door, for callers that hand it ids (the benchmarks): a prompt past
-    # the context was an IndexError inside the step, an id past the vocabulary read a
+    # the context was a ValueError inside the step, an id past the vocabulary read a
     # clamped embedding
     for ids, says in [([], "prompt: the prompt is empty"), ([5] * 64, "prompt: 64 tokens; must be shorter"),
                       ([5, 320], r"prompt\[1\] = 320: out of range"), ([-1], r"prompt\[0\] = -1: out of range")]:  # fmt: skip

@@ -201,7 +201,7 @@ def test_bench_latency_and_prefix_cache_report(tiny_model_dir, capsys):
 
 def test_a_workload_longer_than_the_context_is_one_error(tiny_model_dir, capsys):
     """Prompt + output past max_model_len: offline was a RuntimeError (a request ended
-    early) or an IndexError inside a step (a prompt longer than the context), latency a
+    early) or a ValueError inside a step (a prompt longer than the context), latency a
     figure per token it never made, prefix-cache a header of outputs it did not produce."""
     path, _ = tiny_model_dir("llama3")
     small = [*_engine_args(path), "--set", "max_model_len=64", "--quiet"]

@@ -136,8 +136,8 @@ class Engine:
         Raises:
             RequestError: an empty prompt, one of max_model_len tokens or more, an id outside
                 the vocabulary (the front doors check these as they encode; a caller handing
-                ids straight here met an IndexError inside a step), ``pin_s`` out of range,
-                or pinning without a prefix cache.
+                ids straight here met a ValueError inside a step, filling its page table),
+                ``pin_s`` out of range, or pinning without a prefix cache.
         """
         self._check_owner("add_request")
         check_prompt_ids(prompt_token_ids, self.scheduler.max_model_len, self.grammars.vocab_size)
