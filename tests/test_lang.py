@@ -216,6 +216,7 @@ def test_the_same_program_gives_the_same_outputs_offline_and_over_grpc(tiny_path
             streamed = "".join(agent.stream(remote, task=TASKS[0]))
             assert streamed == expected[0].text
             _check_a_closed_stream_ends_its_call(remote, server.engine_thread.call)
+            _check_a_raising_program_aborts_its_calls(remote, server.engine_thread)
             remote_pick = quiz.run(remote, q="Paris is")
         with lang.LLMBackend(llm) as offline:
             local_pick = quiz.run(offline, q="Paris is")
@@ -245,9 +246,35 @@ def _check_a_closed_stream_ends_its_call(backend, on_engine) -> None:
     assert decoded() - before < 450  # a few tokens; to the end (899 decoded after its first) before
 
 
-def test_a_closed_stream_ends_its_call_offline(llm):
+@lang.function
+def broken(s, until_running):
+    s += "Tell me a story: "
+    for branch in s.fork(2):
+        branch += lang.gen("b", max_tokens=900, ignore_eos=True)
+    s += lang.gen("a", max_tokens=900, ignore_eos=True)
+    until_running()
+    raise ValueError("a bug of the program's own")
+
+
+def _check_a_raising_program_aborts_its_calls(backend, thread) -> None:
+    """Three calls in the engine (two forks' and its own) when the program raises: each is
+    aborted, not left to generate 900 tokens for nobody. (Over gRPC the forks' calls were
+    cancelled before, and too early, when the loop dropped their states and gRPC's futures
+    went with them; a run now keeps its states, as offline where they ran to the end.)"""
+    decoded = lambda: thread.call(lambda e: e.stats()["decode_tokens"])  # noqa: E731
+    before, aborted = decoded(), thread.aborted["cancelled"]
+    running = lambda: thread.call(lambda e: len(e.requests)) == 3  # noqa: E731
+    with pytest.raises(ValueError, match="a bug of the program's own"):
+        broken.run(backend, until_running=lambda: wait_until(running, "the program's three calls to run"))
+    wait_until(lambda: thread.aborted["cancelled"] == aborted + 3, "the three calls' aborts")
+    wait_until(lambda: not thread.call(lambda e: e.has_unfinished()), "the engine to be idle")
+    assert decoded() - before < 900
+
+
+def test_a_closed_stream_or_a_raising_program_ends_its_calls_offline(llm):
     with lang.LLMBackend(llm) as backend:
         _check_a_closed_stream_ends_its_call(backend, backend._thread.call)
+        _check_a_raising_program_aborts_its_calls(backend, backend._thread)
 
 
 QUESTIONS = [

@@ -99,6 +99,10 @@ class Backend:
     def result(self, handle: Any) -> Outcome:
         raise NotImplementedError
 
+    def cancel(self, handle: Any) -> None:
+        """Aborts a submitted call whose result nobody will read."""
+        raise NotImplementedError
+
     def unpin(self, lease_id: str) -> bool:
         raise NotImplementedError
 
@@ -132,10 +136,13 @@ class LLMBackend(Backend):
             )
         request_id = f"lang-{uuid.uuid4().hex}"
         sub = self._thread.submit_threadsafe(request_id, list(token_ids), params, enforce_limit=False, pin_s=pin_s)
-        return sub, on_text
+        return sub, on_text, request_id
+
+    def cancel(self, handle) -> None:
+        self._thread.abort(handle[2])  # queued behind its add, if the engine has not taken it yet
 
     def result(self, handle) -> Outcome:
-        sub, on_text = handle
+        sub, on_text, _ = handle
         while True:
             delta = sub.deltas.get()
             if delta.error is not None:
@@ -144,7 +151,7 @@ class LLMBackend(Backend):
                 try:
                     on_text(delta.text)
                 except BaseException:  # the reader went (a stream closed): the call ends too
-                    self._thread.abort(sub.request.request_id)
+                    self.cancel(handle)
                     raise
             if delta.finish_reason is not None:
                 break
@@ -196,6 +203,9 @@ class Endpoint(Backend):
             return self.client.stub.Generate.future(request, metadata=self.client._md), None
         return self.client.stub.StreamGenerate(request, metadata=self.client._md), on_text
 
+    def cancel(self, handle) -> None:
+        handle[0].cancel()  # the server aborts a cancelled call
+
     def result(self, handle) -> Outcome:
         import grpc
 
@@ -214,8 +224,8 @@ class Endpoint(Backend):
                     if last.text:
                         try:
                             on_text(last.text)
-                        except BaseException:  # the reader went: the server aborts the cancelled call
-                            call.cancel()
+                        except BaseException:  # the reader went: the call ends too
+                            self.cancel(handle)
                             raise
         except grpc.RpcError as e:
             raise ProgramError(f"the server refused the call: {e.code().name}: {e.details()}") from None

@@ -135,8 +135,10 @@ system, user, assistant = _role("system"), _role("user"), _role("assistant")
 class ProgramState:
     """A run's prompt (token ids and text) and its variables."""
 
-    def __init__(self, backend: Backend, token_ids=(), text="", variables=None, on_text=None):
+    def __init__(self, backend: Backend, token_ids=(), text="", variables=None, on_text=None, family=None):
         self.backend = backend
+        self._family: list[ProgramState] = family if family is not None else []  # the run's states (forks)
+        self._family.append(self)
         self.token_ids: list[int] = list(token_ids)
         self._text = text
         self.variables: dict[str, str] = dict(variables or {})
@@ -220,11 +222,23 @@ class ProgramState:
         """``n`` states that share everything so far; their calls run at once."""
         _check_fork(n)
         self._resolve()
-        return [ProgramState(self.backend, self.token_ids, self._text, self.variables) for _ in range(n)]
+        return [
+            ProgramState(self.backend, self.token_ids, self._text, self.variables, family=self._family)
+            for _ in range(n)
+        ]
 
     def finish(self) -> ProgramState:
         self._resolve()
         return self
+
+    def abandon(self) -> None:
+        """Aborts the calls the run's states (this one and its forks) have in flight: the
+        program raised, so nothing will read them (they would run to their max_tokens)."""
+        for state in self._family:
+            if state._pending is not None:
+                _, handle = state._pending
+                state._pending = None
+                state.backend.cancel(handle)
 
 
 def _flat(backend: Backend, item) -> Iterator:
@@ -391,8 +405,12 @@ class Program:
 
     def run(self, backend: Backend, **kwargs) -> ProgramState:
         state = ProgramState(backend)
-        self._call(state, kwargs)
-        return state.finish()
+        try:
+            self._call(state, kwargs)
+            return state.finish()
+        except BaseException:
+            state.abandon()
+            raise
 
     def stream(self, backend: Backend, **kwargs) -> Iterator[str]:
         """One run's text as it is appended (a gen's as it is generated). Closing the
@@ -408,13 +426,14 @@ class Program:
             pieces.put(text)
 
         def target():
+            state = ProgramState(backend, on_text=emit)
             try:
-                state = ProgramState(backend, on_text=emit)
                 self._call(_Eager(state), kwargs)
                 state.finish()
             except _StreamClosed:
-                pass
+                state.abandon()  # a fork's calls (the one read was aborted as it was read)
             except BaseException as e:  # noqa: BLE001 - re-raised on the reading side
+                state.abandon()
                 pieces.put(e)
             pieces.put(done)
 
