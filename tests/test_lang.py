@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve import LLM, lang
 from jaxserve.errors import RequestError
-from tests.conftest import tiny_server, wait_until
+from tests.conftest import engine_held, tiny_server, wait_until
 
 SYSTEM = "The capital of France is Paris. Machine learning and deep learning are fun. " * 6
 TASKS = ["Paris", "Machine", "deep", "France", "fun", "capital", "learning", "The"]  # distinct first tokens
@@ -275,6 +275,18 @@ def test_a_closed_stream_or_a_raising_program_ends_its_calls_offline(llm):
     with lang.LLMBackend(llm) as backend:
         _check_a_closed_stream_ends_its_call(backend, backend._thread.call)
         _check_a_raising_program_aborts_its_calls(backend, backend._thread)
+
+        @lang.function
+        def pick(s):
+            s += "Which? "
+            s += lang.select("c", [" short", " long" * 2000])  # the second is past the context
+
+        # the first choice's scoring call was left to run when the second was refused
+        before = backend._thread.aborted["cancelled"]
+        with engine_held(backend._thread), pytest.raises(lang.ProgramError, match="the program's prompt is"):
+            pick.run(backend)  # (held: the first call's add and its abort queue up, in order)
+        wait_until(lambda: not backend._thread.call(lambda e: e.has_unfinished()), "the engine to be idle")
+        assert backend._thread.aborted["cancelled"] == before + 1
 
 
 QUESTIONS = [

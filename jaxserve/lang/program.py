@@ -174,10 +174,18 @@ class ProgramState:
             raise ProgramError(f"select({item.name!r}): needs a prompt before it to score the choices after")
         params = SamplingParams(max_tokens=0, prompt_logprobs=0, prompt_logprobs_start=len(prefix))
         ids = [self.backend.encode(c) for c in item.choices]
-        handles = [self.backend.submit(prefix + c, params) for c in ids]
+        handles, outcomes = [], []
+        try:
+            for c in ids:
+                handles.append(self.backend.submit(prefix + c, params))
+            for handle in handles:
+                outcomes.append(self.backend.result(handle))
+        except BaseException:  # a choice refused (too long, the server's answer): the rest go
+            for handle in handles[len(outcomes) :]:
+                self.backend.cancel(handle)
+            raise
         scores = []
-        for c, handle in zip(ids, handles, strict=True):
-            outcome = self.backend.result(handle)
+        for c, outcome in zip(ids, outcomes, strict=True):
             self.calls.append(outcome)
             total = sum(outcome.prompt_logprobs[len(prefix) :])
             scores.append(total / len(c) if item.normalize else total)
