@@ -156,6 +156,19 @@ def test_logprobs_match_grpc(api):
     content = chat.choices[0].logprobs.content
     assert [e.logprob for e in content] == pytest.approx(list(ref.logprobs), abs=1e-6)
     assert all(len(e.top_logprobs) == 3 for e in content)
+    # logprobs = true alone (no top_logprobs), streamed or not: each token's own logprob
+    # and an empty top list (both were a ValueError: a 500, a stream cut off)
+    alone = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=5, logprobs=True, extra_body=NO_EOS, **GREEDY
+    )
+    own = alone.choices[0].logprobs.content
+    assert [e.logprob for e in own] == pytest.approx([e.logprob for e in content], abs=1e-6)
+    assert all(e.top_logprobs == [] for e in own)
+    stream = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=5, logprobs=True, stream=True, extra_body=NO_EOS, **GREEDY
+    )
+    chunks = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert [e.logprob for lp in chunks for e in lp.content] == pytest.approx([e.logprob for e in own], abs=1e-6)
     assert [e.token for e in content] == [llm.handle.tokenizer.decode([t]) for t in ref.token_ids]
     assert "".join(e.token for e in content) == chat.choices[0].message.content
     completion = client.completions.create(

@@ -53,6 +53,11 @@ class ReplyFormatter:
         }
 
     def chat_logprobs(self, ids: list[int], lps: list[float], tops) -> dict:
+        """``tops`` is empty when no top_logprobs were asked (the engine lists top-n only
+        for n > 0): each token's is then [], as OpenAI's (a strict zip of them was a
+        ValueError: every chat with logprobs = true alone failed)."""
+        tops = tops or [[] for _ in ids]
+
         def entry(t, lp):
             text = self.token_text(t)
             # The token's own bytes, as OpenAI's: a piece of a character shows as U+FFFD in
