@@ -645,3 +645,25 @@ def test_a_full_queue_is_429_then_recovers(tiny_model_dir):
         assert 429 in codes and "ok" in codes
         with openai.OpenAI(base_url=base, api_key="unused", max_retries=0) as c:
             assert c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, **GREEDY).usage.completion_tokens
+
+
+def test_a_client_gone_before_its_answer_is_a_quiet_499():
+    """The disconnect won the race: the work was cancelled but not yet done when its result
+    was read (an InvalidStateError traceback in the server's log per such client); its
+    cleanup (the requests' aborts) ran after the answer was chosen."""
+    from jaxserve.server.openai_api import OpenAIServer
+
+    cleaned = []
+
+    class Gone:
+        async def receive(self):
+            return {"type": "http.disconnect"}
+
+    async def work():
+        try:
+            await asyncio.sleep(60)
+        finally:
+            cleaned.append(True)
+
+    response = asyncio.run(OpenAIServer._unless_disconnected(OpenAIServer, Gone(), work()))
+    assert response.status_code == 499 and cleaned == [True]

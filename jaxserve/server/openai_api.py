@@ -174,6 +174,11 @@ class OpenAIServer:
             watch.cancel()
             if not task.done():
                 task.cancel()
+        if not task.done():
+            # Cancelled, it is done only once it has run its cleanup (its requests' aborts):
+            # its result read before that was an InvalidStateError, a traceback per
+            # disconnected client.
+            await asyncio.wait((task,))
         if task.cancelled():
             return Response(status_code=499)  # nobody is listening
         return task.result()
