@@ -103,6 +103,15 @@ class Backend:
         """Aborts a submitted call whose result nobody will read."""
         raise NotImplementedError
 
+    def _emit(self, handle: Any, on_text: Callable[[str], None], text: str) -> None:
+        """Hands a call's text to its reader; a reader gone (a stream closed raises here)
+        takes the call with it."""
+        try:
+            on_text(text)
+        except BaseException:
+            self.cancel(handle)
+            raise
+
     def unpin(self, lease_id: str) -> bool:
         raise NotImplementedError
 
@@ -148,11 +157,7 @@ class LLMBackend(Backend):
             if delta.error is not None:
                 raise ProgramError(f"the engine failed the call: {delta.error}")
             if on_text is not None and delta.text:
-                try:
-                    on_text(delta.text)
-                except BaseException:  # the reader went (a stream closed): the call ends too
-                    self.cancel(handle)
-                    raise
+                self._emit(handle, on_text, delta.text)
             if delta.finish_reason is not None:
                 break
         r = sub.request
@@ -222,11 +227,7 @@ class Endpoint(Backend):
                     ids += last.token_ids
                     text += last.text
                     if last.text:
-                        try:
-                            on_text(last.text)
-                        except BaseException:  # the reader went: the call ends too
-                            self.cancel(handle)
-                            raise
+                        self._emit(handle, on_text, last.text)
         except grpc.RpcError as e:
             raise ProgramError(f"the server refused the call: {e.code().name}: {e.details()}") from None
         finish = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}.get(last.finish_reason, "abort")
