@@ -215,7 +215,7 @@ def test_the_same_program_gives_the_same_outputs_offline_and_over_grpc(tiny_path
             assert remote.stats().leases == 0
             streamed = "".join(agent.stream(remote, task=TASKS[0]))
             assert streamed == expected[0].text
-            _check_a_closed_stream_ends_its_call(remote, server.engine_thread.call)
+            _check_a_closed_stream_ends_its_call(remote, server.engine_thread)
             _check_a_raising_program_aborts_its_calls(remote, server.engine_thread)
             remote_pick = quiz.run(remote, q="Paris is")
         with lang.LLMBackend(llm) as offline:
@@ -231,19 +231,22 @@ def story(s):
     s += "And another: " + lang.gen("b", max_tokens=900, ignore_eos=True)
 
 
-def _check_a_closed_stream_ends_its_call(backend, on_engine) -> None:
+def _decoded(thread) -> int:
+    return thread.call(lambda e: e.stats()["decode_tokens"])
+
+
+def _check_a_closed_stream_ends_its_call(backend, thread) -> None:
     """A stream closed after its first piece (the text before the first gen): that gen is
     aborted at its next text, the second never sent. Before, the program went on for a
     reader long gone: the first gen's 900 tokens, then the second's."""
-    decoded = lambda: on_engine(lambda e: e.stats()["decode_tokens"])  # noqa: E731
-    before = decoded()
+    before = _decoded(thread)
     pieces = story.stream(backend)
     assert next(pieces) == "Tell me a story: "
     pieces.close()
     # the gen may be sent after the reader left: wait for its first token, then its end
-    ended = lambda: decoded() > before and not on_engine(lambda e: e.has_unfinished())  # noqa: E731
+    ended = lambda: _decoded(thread) > before and not thread.call(lambda e: e.has_unfinished())  # noqa: E731
     wait_until(ended, "the closed stream's call to end")
-    assert decoded() - before < 450  # a few tokens; to the end (899 decoded after its first) before
+    assert _decoded(thread) - before < 450  # a few tokens; to the end (899 decoded after its first) before
 
 
 @lang.function
@@ -261,19 +264,18 @@ def _check_a_raising_program_aborts_its_calls(backend, thread) -> None:
     aborted, not left to generate 900 tokens for nobody. (Over gRPC the forks' calls were
     cancelled before, and too early, when the loop dropped their states and gRPC's futures
     went with them; a run now keeps its states, as offline where they ran to the end.)"""
-    decoded = lambda: thread.call(lambda e: e.stats()["decode_tokens"])  # noqa: E731
-    before, aborted = decoded(), thread.aborted["cancelled"]
+    before, aborted = _decoded(thread), thread.aborted["cancelled"]
     running = lambda: thread.call(lambda e: len(e.requests)) == 3  # noqa: E731
     with pytest.raises(ValueError, match="a bug of the program's own"):
         broken.run(backend, until_running=lambda: wait_until(running, "the program's three calls to run"))
     wait_until(lambda: thread.aborted["cancelled"] == aborted + 3, "the three calls' aborts")
     wait_until(lambda: not thread.call(lambda e: e.has_unfinished()), "the engine to be idle")
-    assert decoded() - before < 900
+    assert _decoded(thread) - before < 900
 
 
 def test_a_closed_stream_or_a_raising_program_ends_its_calls_offline(llm):
     with lang.LLMBackend(llm) as backend:
-        _check_a_closed_stream_ends_its_call(backend, backend._thread.call)
+        _check_a_closed_stream_ends_its_call(backend, backend._thread)
         _check_a_raising_program_aborts_its_calls(backend, backend._thread)
 
         @lang.function
