@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxserve.errors import RequestError
+from jaxserve.errors import RequestError, check_text
 
 MAX_STOP_TOKEN_IDS = 16
 MAX_STOP_STRINGS = 16
@@ -225,6 +225,14 @@ class SamplingParams:
                 raise RequestError(
                     f"sampling_params.logit_bias: token {t}'s bias {b!r}: must be a number in [-100, 100]"
                 )
+        # Text the grammar compiler or the stop matcher takes as UTF-8: a lone surrogate (a
+        # Python str can hold one) was UnicodeEncodeError from inside llguidance.
+        for name in ("json_schema", "regex", "grammar"):
+            if getattr(self, name) is not None:
+                check_text(getattr(self, name), f"sampling_params.{name}")
+        for name in ("stop", "choice"):
+            for i, item in enumerate(getattr(self, name) or ()):
+                check_text(item, f"sampling_params.{name}[{i}]")
         given = [k for k in ("json_schema", "json_object", "regex", "choice", "grammar") if getattr(self, k)]
         if len(given) > 1:
             raise RequestError(

@@ -257,6 +257,12 @@ def test_bad_prompts(tiny_model_dir):
         ({"logprobs": True}, r"logprobs = True: must be None or an integer in \[0, 20\]"),
         ({"seed": False}, r"seed = False: must be None or an integer"),
         ({"ignore_eos": "no"}, r"ignore_eos = 'no': must be true or false"),
+        # A lone surrogate in text llguidance compiles was its UnicodeEncodeError.
+        ({"regex": "a\ud800"}, r"regex: not valid Unicode text: a lone surrogate '\\ud800' at character 1"),
+        ({"grammar": 'start: "\udfff"'}, r"grammar: not valid Unicode text: a lone surrogate '\\udfff' at char"),
+        ({"json_schema": '{"enum": ["\ud800"]}'}, r"json_schema: not valid Unicode text: a lone surrogate"),
+        ({"choice": ["ok", "\ud800"]}, r"choice\[1\]: not valid Unicode text: a lone surrogate"),
+        ({"stop": ["\ud800"]}, r"stop\[0\]: not valid Unicode text: a lone surrogate"),
     ],
 )
 def test_bad_sampling_params_more(params, message):

@@ -469,6 +469,12 @@ def test_bad_chat_input_and_bodies_are_400(api):
     assert e.value.body["param"] == "top_logprobs" and e.value.body["message"].startswith("top_logprobs = 30: ")
     raw = httpx.post(f"{base}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
+    assert raw.json()["error"]["message"] == "the body is not valid JSON: key must be a string at line 1 column 2"
+    deep = {}
+    for _ in range(300):  # valid JSON, nested past the parser's limit
+        deep = {"a": deep}
+    raw = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "hi", "guided_json": deep})
+    assert raw.status_code == 400 and "recursion limit exceeded" in raw.json()["error"]["message"]
     missing = httpx.post(f"{base}/v1/completions", json={"model": "tiny"})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "prompt"
     # Unknown fields are ignored, as OpenAI's API does.

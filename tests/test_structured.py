@@ -5,7 +5,9 @@ grammar is complete, and bad constraints are errors naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import re
 
 import jsonschema
@@ -135,6 +137,12 @@ BAD = [
     (dict(regex="a+", choice=("a",)), r"sampling_params.choice: only one structured-output constraint"),
     (dict(choice=("",)), r"sampling_params.choice = \('',\): must be None or 1 to 256 non-empty strings"),
     (dict(regex=""), r"sampling_params.regex = '': must be a non-empty string"),
+    # Valid, but its first token mask exceeds llguidance's lexer limits (its failure state
+    # would allow only the end of sequence: an empty "stop" that never met the regex).
+    (
+        dict(regex="(" * 8 + "[a-z ]{1,100}" + "){1,100}" * 8),
+        r"sampling_params.regex: too complex to enforce over this",
+    ),
 ]
 
 
@@ -143,3 +151,58 @@ def test_a_bad_constraint_is_an_error_naming_the_field(llm, kwargs, message):
     with pytest.raises(RequestError, match=message):
         llm.generate(["hi"], SamplingParams(max_tokens=4, **kwargs))
     assert llm.stats()["kv_pages_held"] == 0
+
+
+def test_a_grammar_that_fails_mid_way_ends_its_request_as_abort(llm, caplog):
+    """A regex whose first masks compute but whose lexer exceeds llguidance's limits after
+    ~15 'a's (forced by the bias): that mask allows only the end of sequence, so the
+    request used to end as "stop" with text that does not match. It ends as "abort",
+    the reason in the log; the request beside it is untouched."""
+    regex = "((((a{1,100}){1,100}){1,100}){1,100})"
+    a = llm.tokenizer.convert_tokens_to_ids("a")
+    forced = SamplingParams(max_tokens=60, temperature=0.0, regex=regex, logit_bias={a: 100.0})
+    beside = SamplingParams(max_tokens=8, temperature=0.0, regex="[a-z]{8}")
+    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.scheduler"):
+        failed, ok = llm.generate(["Paris", "Machine learning"], [forced, beside])
+    assert failed.finish_reason == "abort", (failed.finish_reason, failed.text)
+    assert 0 < len(failed.text) < 60 and set(failed.text) == {"a"}, failed.text
+    assert "structured-output constraint failed after" in caplog.text
+    assert "too many expressions" in caplog.text
+    assert ok.finish_reason == "stop" and re.fullmatch("[a-z]{8}", ok.text)
+    llm.scheduler.check_integrity()
+    assert llm.stats()["kv_pages_held"] == 0
+
+
+def test_the_engine_thread_copies_each_grammar_it_never_compiles_one(tiny_model_dir, monkeypatch):
+    """A matcher is compiled once per grammar, on the submitting thread (where the request
+    is checked); the engine thread copies it for each request. It compiled one per request
+    itself: ~80 ms for a 1500-property schema over SmolLM2's vocabulary, during which no
+    stream got a token."""
+    import threading
+
+    import llguidance
+
+    from jaxserve.engine.async_engine import EngineThread
+
+    real = llguidance.LLMatcher
+    compiled_on = []
+
+    class Counting:
+        def __new__(cls, *args, **kwargs):
+            compiled_on.append(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+    for name in ("validate_grammar", "grammar_from_json_schema", "grammar_from_regex", "grammar_from_lark"):
+        setattr(Counting, name, staticmethod(getattr(real, name)))
+    monkeypatch.setattr(llguidance, "LLMatcher", Counting)
+    llm = _llm(tiny_model_dir, warmup=False)
+    served = EngineThread(llm.engine)  # LLM.generate now submits to it, as a server's clients do
+    served.start()
+    try:
+        params = [dataclasses.replace(p, n=2) for p in _sampled(json_schema=json.dumps(SCHEMA))]
+        outs = llm.generate(PROMPTS, params)
+    finally:
+        served.stop()
+    for o in outs:
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert compiled_on == ["MainThread"]  # one grammar, 8 requests; none on "jaxserve-engine"

@@ -48,10 +48,13 @@ anyone else waits for all of them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import Counter, deque
 
 from jaxserve.engine.kv_manager import KVManager, PageCopy
 from jaxserve.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 
@@ -436,6 +439,16 @@ class Scheduler:
         return request.num_sampled >= request.params.max_tokens or request.num_tokens >= self.max_model_len
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        if request.constraint is not None and request.constraint.error:
+            # The grammar failed computing this token's mask (llguidance's lexer limits),
+            # which then allowed only EOS: the output does not satisfy it, so not "stop".
+            logger.warning(
+                "request %s: its structured-output constraint failed after %d tokens, ended as abort: %s",
+                request.request_id,
+                request.num_output_tokens,
+                request.constraint.error.split("\n", 1)[0],
+            )
+            return RequestStatus.FINISHED_ABORTED
         if token in request.stop_token_ids and request.num_output_tokens > request.params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
         if request.constraint is not None:

@@ -10,7 +10,8 @@ vLLM's and llama.cpp's guidance backends use.
 The host keeps one matcher per constrained request (``Constraint``): before a step, the
 allowed-token bitmask of each constrained row (``fill``); after it, the sampled token
 advances the matcher (``advance``), and a grammar that has accepted with nothing allowed
-after ends the request. The bitmask goes to the jitted sampler as a fixed-shape input
+after ends the request ("stop"); one that failed (its lexer's limits) ends it too, as
+"abort": its output does not satisfy the constraint. The bitmask goes to the jitted sampler as a fixed-shape input
 (nothing recompiles); steps without a constrained request pass an all-ones mask kept on
 the device, and the sampler skips the masking for them (``lax.cond``).
 """
@@ -41,9 +42,15 @@ def _lark_string(text: str) -> str:
     return json.dumps(text)  # a JSON string literal is a Lark string literal
 
 
+# Compiled matchers kept for copying (~0.1 MB for a small schema, ~3 MB for a
+# 1000-property one over SmolLM2's vocabulary, once its first mask is made).
+MAX_READY_MATCHERS = 64
+
+
 class GrammarCompiler:
     """Grammars for one tokenizer and vocabulary. Thread-safe: front ends validate on their
-    worker threads, the engine thread makes matchers."""
+    worker threads, which also compile each grammar's matcher; the engine thread copies
+    one per request (``constraint``)."""
 
     def __init__(self, tokenizer, vocab_size: int | None, eos_token_ids: set[int]):
         """``vocab_size``: the model's (its logits' width; None: the tokenizer's)."""
@@ -53,6 +60,7 @@ class GrammarCompiler:
         self._tokenizer = None  # llguidance's view of it, built on first use (~0.3 s)
         self._lock = threading.Lock()
         self._checked: dict[str, str] = {}  # grammar -> "" (valid) or the error, most recent first
+        self._ready: dict[str, object] = {}  # grammar -> its LLMatcher at the start, least recently used first
 
     @property
     def vocab_size(self) -> int:
@@ -99,13 +107,48 @@ class GrammarCompiler:
             from llguidance import LLMatcher
 
             error = LLMatcher.validate_grammar(grammar, self._llg_tokenizer())
+            if not error or error.startswith("WARNING"):
+                error = self._first_mask_error(grammar) or error
             with self._lock:
                 if len(self._checked) >= 1024:
                     self._checked.pop(next(iter(self._checked)))
                 self._checked[grammar] = error
         if error and not error.startswith("WARNING"):
             raise RequestError(f"sampling_params.{field}: {error[:500]}")
+        self._ready_matcher(grammar)  # compiled here (again, if it has left the cache), not on the engine thread
         return grammar
+
+    def _first_mask_error(self, grammar: str) -> str:
+        """The error of the grammar's first token mask, or "". A grammar can be valid and
+        still exceed llguidance's lexer limits once it meets the vocabulary: on SmolLM2's
+        49k tokens "(.{0,500}){0,500}" fails there ("too many expressions constructed").
+        Met here (~ms, on the front end's worker, once per grammar), it is a refusal
+        naming the field; met mid-way, it ends the request ("abort", see Scheduler)."""
+        matcher = self._ready_matcher(grammar)
+        if not matcher.is_error():
+            return ""
+        return f"too complex to enforce over this vocabulary: {matcher.get_error().split(chr(10), 1)[0]}"
+
+    def _ready_matcher(self, grammar: str):
+        """The grammar's matcher at its start, its first mask made (its lexer's first states
+        built), for ``constraint`` to copy. Copying takes ~10 us; compiling anew took ~80 ms
+        for a 1500-property JSON schema over SmolLM2's vocabulary (~0.3 s on a busy 2-core
+        machine), which on the engine thread stalled every stream, once per request."""
+        from llguidance import LLMatcher
+
+        with self._lock:
+            matcher = self._ready.pop(grammar, None)
+            if matcher is not None:
+                self._ready[grammar] = matcher  # most recently used last
+                return matcher
+        matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        Constraint(matcher, bitmask_words(self.vocab_size)).fill(np.empty(bitmask_words(self.vocab_size), np.int32))
+        if not matcher.is_error():  # (never stored once in error, nothing copies it)
+            with self._lock:
+                self._ready[grammar] = matcher
+                while len(self._ready) > MAX_READY_MATCHERS:
+                    self._ready.pop(next(iter(self._ready)))
+        return matcher
 
     def token_bytes(self, token_id: int) -> bytes:
         """A token's own bytes: for a piece of a multi-byte character, that piece (what
@@ -115,9 +158,9 @@ class GrammarCompiler:
         return self._llg_tokenizer().decode_bytes([token_id])
 
     def constraint(self, grammar: str) -> Constraint:
-        from llguidance import LLMatcher
-
-        return Constraint(LLMatcher(self._llg_tokenizer(), grammar, log_level=0), bitmask_words(self.vocab_size))
+        """A request's own matcher: a copy of the grammar's compiled one (``check`` made it
+        on the front end's thread; compiled here only if it has left the cache since)."""
+        return Constraint(self._ready_matcher(grammar).deep_copy(), bitmask_words(self.vocab_size))
 
     def fill(self, constraints: list[Constraint]) -> np.ndarray:
         """Each constraint's next-token bitmask, a row each (int32 [n, words]). One after

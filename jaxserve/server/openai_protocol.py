@@ -65,7 +65,10 @@ def validation_error(errors: list[dict]) -> APIError:
     field, member = _union_field(first.get("loc", ()))
     param = "".join(f"[{x}]" if x.isdigit() else f".{x}" for x in field).lstrip(".") or None
     if first.get("type") == "json_invalid":
-        message, param = "the body is not valid JSON", None
+        # The parser's reason and where: "trailing comma at line 1 column 15", or "recursion
+        # limit exceeded ..." for JSON nested deeper than the parser's limit (a schema too).
+        reason = (first.get("ctx") or {}).get("error")
+        message, param = f"the body is not valid JSON: {reason}" if reason else "the body is not valid JSON", None
     elif member is not None:  # a union (prompt: str | list[int] | ...) none of whose members took it
         # A member of our own request types reads as what the client sends: an object
         # (content: "list[object]", not pydantic's "list[ContentPart]").
