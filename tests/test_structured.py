@@ -143,6 +143,7 @@ BAD = [
         dict(regex="(" * 8 + "[a-z ]{1,100}" + "){1,100}" * 8),
         r"sampling_params.regex: too complex to enforce over this",
     ),
+    (dict(grammar='start: start "a"'), r"sampling_params.grammar: no output can satisfy it \(llguidance: NoExtension"),
 ]
 
 

@@ -127,7 +127,10 @@ class GrammarCompiler:
         matcher = self._ready_matcher(grammar)
         if not matcher.is_error():
             return ""
-        return f"too complex to enforce over this vocabulary: {matcher.get_error().split(chr(10), 1)[0]}"
+        error = matcher.get_error().split("\n", 1)[0]
+        if error.startswith("lexer error"):
+            return f"too complex to enforce over this vocabulary (llguidance: {error})"
+        return f"no output can satisfy it (llguidance: {error})"  # e.g. NoExtensionBias: "start: start"
 
     def _ready_matcher(self, grammar: str):
         """The grammar's matcher at its start, its first mask made (its lexer's first states
