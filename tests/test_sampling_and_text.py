@@ -6,10 +6,13 @@ import jax
 import numpy as np
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.kv_manager import KVManager
+from jaxserve.engine.output import held_back
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.errors import RequestError
 from jaxserve.runner.sampler import (
@@ -314,6 +317,21 @@ def test_stop_string_split_across_tokens(scripted, include):
         assert "".join(d) == r.output_text
         if not include:  # a prefix of the stop string was never emitted, then taken back
             assert all("STOP" not in x for x in d)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=12),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=8), min_size=1, max_size=5),
+)
+def test_held_back_is_the_longest_suffix_that_starts_a_stop_string(text, stops):
+    """held_back's shortcuts (first characters, sorted stops) against its definition, for
+    text that holds no stop string (the output stage has ended the request otherwise)."""
+    assume(not any(s in text for s in stops))
+    longest = max(
+        (n for n in range(1, len(text) + 1) for s in stops if len(s) > n and s.startswith(text[-n:])), default=0
+    )
+    assert held_back(text, tuple(stops)) == longest
 
 
 def _sorted_keep_mask(scaled, top_k, top_p, min_p):
