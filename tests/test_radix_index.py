@@ -142,3 +142,27 @@ def test_lru_order_and_in_use_protection():
     assert sim.index.match((3, 3, 3, 3))[0] == 4
     assert sim.index.match((2, 2, 2, 2))[0] == 0
     sim.check()
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops, touches=st.lists(seqs, max_size=8), page_size=st.sampled_from([1, 2, 3]))
+def test_each_eviction_takes_the_least_recently_used_unreferenced_leaf(ops, touches, page_size):
+    """The candidates heap (kept as the tree changes, stale entries skipped) against a walk
+    of the whole tree, which is what eviction did before it."""
+    sim = Sim(num_pages=24, page_size=page_size)
+    for op, arg in ops:
+        if op == "start":
+            sim.start(arg)
+        elif sim.live:
+            sim.finish(arg)
+    for t in touches:
+        sim.index.match(t)
+    for i in range(len(sim.live) // 2):  # some stay live: their paths are never candidates
+        sim.finish(i)
+    sim.check()
+    while leaves := sim.index.evictable_leaves():
+        victim = sim.index._lru_leaf()
+        assert victim is not None and victim.last_access == min(n.last_access for n in leaves)
+        sim.index._remove(victim)
+        sim.check()
+    assert sim.index._lru_leaf() is None
