@@ -230,7 +230,12 @@ class LLM:
         unfinished (freeing its pages) and, if a failed step took the donated KV cache,
         makes a fresh one for the next call."""
         try:
-            while not all(r.status.is_finished for r in requests):
+            done = 0  # requests[:done] have finished: each is looked at until it has, not every step
+            while True:
+                while done < len(requests) and requests[done].status.is_finished:
+                    done += 1
+                if done == len(requests):
+                    break
                 self.engine.step()
                 yield
         finally:

@@ -333,3 +333,24 @@ def test_no_fork_past_max_num_seqs_or_without_a_page_or_for_prompt_logprobs():
     out = tight.schedule()
     assert not out.forks and not tight.kv.reserved
     tight.check_integrity()
+
+
+def test_a_step_looks_at_a_few_of_a_long_waiting_queue_not_all(monkeypatch):
+    """A 10,000-prompt offline batch waits in the queue at once. A step that found the
+    batch full, or the prompts it finishes without a twin of the same length, used to walk
+    the whole queue for twins and for its clients (~1 us a request: 8,000 tiny-model
+    prompts in one call ran 8.2 ms a step, against 3.0 in calls of 500). Counted: the
+    fork checks per step."""
+    sched = Scheduler(KVManager(4000, 16), max_num_batched_tokens=64, max_num_seqs=4, max_model_len=512)
+    for i in range(2000):
+        sched.add(_request(i, 20 + i % 7, 8))
+    checks = []
+    real = Scheduler._fork
+    monkeypatch.setattr(Scheduler, "_fork", lambda self, twin, out: checks.append(twin) or real(self, twin, out))
+    for _ in range(40):
+        checks.clear()
+        out = sched.schedule()
+        sched.check_integrity()
+        assert len(checks) <= 5, len(checks)  # those admitted, and one that found no room
+        sched.update(out, [1] * out.num_rows)
+    assert sched.num_forks == 0 and len(sched.waiting) < 2000

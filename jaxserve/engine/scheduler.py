@@ -56,6 +56,12 @@ from jaxserve.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
+
+def _finishes_prompt(request: Request, n: int) -> bool:
+    """Whether ``n`` tokens scheduled this step end the request's prompt (no token sampled yet)."""
+    return request.num_sampled == 0 and request.num_computed_tokens + n == request.num_prompt_tokens
+
+
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 
 
@@ -139,6 +145,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.min_token_bucket = min_token_bucket
         self.waiting: deque[Request] = deque()
+        # How many waiting requests each client has: per step the scheduler asks which
+        # clients wait, and a walk of the queue cost ~1 us a request (a 10,000-prompt
+        # offline batch: ~10 ms a step).
+        self._waiting_clients: Counter[str] = Counter()
         self.running: list[Request] = []  # in admission order: the last is the preemption victim
         self.num_preemptions = 0
         self.num_steps = 0
@@ -148,7 +158,17 @@ class Scheduler:
     # -- requests in and out ---------------------------------------------------------
     def add(self, request: Request) -> None:
         request.arrival = self.num_steps
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        (self.waiting.appendleft if front else self.waiting.append)(request)
+        self._waiting_clients[request.client] += 1
+
+    def _dequeue(self, request: Request) -> None:
+        self.waiting.remove(request)
+        self._waiting_clients[request.client] -= 1
+        if not self._waiting_clients[request.client]:
+            del self._waiting_clients[request.client]
 
     def abort(self, request: Request) -> None:
         if not request.status.is_finished:
@@ -170,7 +190,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
-            self.waiting.remove(request)
+            self._dequeue(request)
         # prompt + output so far go to the prefix cache: the next turn of a chat reuses them
         finished = status is not RequestStatus.FINISHED_ABORTED
         self.kv.free(request, keep_cached=finished, pin_s=request.pin_s if finished else None)
@@ -183,7 +203,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
 
     def _reserve(self, request: Request, num_new_tokens: int, out: SchedulerOutput) -> bool:
         """Pages for ``num_new_tokens`` more tokens, preempting the newest running requests
@@ -224,6 +244,8 @@ class Scheduler:
     def _interleave_clients(self, order: list[Request]) -> list[Request]:
         """``order`` with each next pick from the client that would then run the fewest
         (ties: the earlier in ``order``); one client keeps ``order`` as it is."""
+        if len(self._waiting_clients) < 2:  # (order is the waiting queue)
+            return order
         queues: dict[str, deque[Request]] = {}
         for r in order:
             queues.setdefault(r.client, deque()).append(r)
@@ -246,11 +268,11 @@ class Scheduler:
         if len(self.running) < self.max_num_seqs or not self.waiting:
             return
         load = Counter(r.client for r in self.running)
-        clients = set(load) | {r.client for r in self.waiting}
+        clients = set(load) | set(self._waiting_clients)
         if len(clients) < 2:
             return
         share = max(1, self.max_num_seqs // len(clients))
-        if all(load[r.client] >= share for r in self.waiting):
+        if all(load[c] >= share for c in self._waiting_clients):
             return
         greedy_client, held = load.most_common(1)[0]
         if held <= share:
@@ -283,7 +305,7 @@ class Scheduler:
         n, copy = admitted
         if copy is not None:
             out.page_copies.append(copy)
-        self.waiting.remove(request)
+        self._dequeue(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         out.scheduled.append((request, n))
@@ -299,17 +321,13 @@ class Scheduler:
             or twin.num_tokens != twin.num_prompt_tokens  # preempted with output: not a twin
             or twin.params.prompt_logprobs is not None
             or twin.params.max_tokens == 0
-            or len(self.running) + len(out.forks) >= self.max_num_seqs
-            # a step never has more sequences than its padded tokens (the compiled bucket pairs)
-            or len(out.scheduled) + len(out.forks)
-            >= max(out.num_decode_tokens + out.num_prefill_tokens, self.min_token_bucket)
+            or not self._room_to_fork(out)
         ):
             return False
         for parent, n in out.scheduled:
             if (
                 parent.num_prompt_tokens == twin.num_prompt_tokens
-                and parent.num_sampled == 0
-                and parent.num_computed_tokens + n == parent.num_prompt_tokens
+                and _finishes_prompt(parent, n)
                 and parent.token_ids == twin.token_ids
             ):
                 page = self.kv.reserve_fork(parent)
@@ -318,6 +336,14 @@ class Scheduler:
                 out.forks.append((twin, parent, page))
                 return True
         return False
+
+    def _room_to_fork(self, out: SchedulerOutput) -> bool:
+        return (
+            len(self.running) + len(out.forks) < self.max_num_seqs
+            # a step never has more sequences than its padded tokens (the compiled bucket pairs)
+            and len(out.scheduled) + len(out.forks)
+            < max(out.num_decode_tokens + out.num_prefill_tokens, self.min_token_bucket)
+        )
 
     # -- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -368,9 +394,18 @@ class Scheduler:
             if not self._admit(request, out, budget()):
                 break
         # 3. Twins of the prompts this step finishes (n > 1 samples, identical requests),
-        # also past where admission stopped: they take no budget.
-        for request in order:
-            if id(request) not in forked and request.status is not RequestStatus.RUNNING:  # not admitted above
+        # also past where admission stopped: they take no budget. Only a waiting request
+        # as long as such a prompt can be one, and none once the step is full (a walk of
+        # the whole queue every step cost ~1 us a request).
+        lengths = {r.num_prompt_tokens for r, n in out.scheduled if _finishes_prompt(r, n)}
+        for request in order if lengths else ():
+            if not self._room_to_fork(out):
+                break
+            if (
+                request.num_prompt_tokens in lengths
+                and id(request) not in forked
+                and request.status is not RequestStatus.RUNNING  # not admitted above
+            ):
                 self._fork(request, out)
         return out
 
@@ -402,7 +437,7 @@ class Scheduler:
                 copy = self.kv.fork(twin, request, page)
                 if copy is not None:
                     self._fork_copies.append(copy)
-                self.waiting.remove(twin)
+                self._dequeue(twin)
                 twin.status = RequestStatus.RUNNING
                 self.running.append(twin)
                 twin.num_pending = 1
@@ -463,4 +498,5 @@ class Scheduler:
         """Pages, tree and requests agree; queues within their limits."""
         self.kv.check_integrity(self.running)
         assert all(not r.pages and r.num_computed_tokens == 0 for r in self.waiting), "a waiting request holds pages"
+        assert self._waiting_clients == Counter(r.client for r in self.waiting), "waiting clients miscounted"
         assert len(self.running) <= self.max_num_seqs
