@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.engine.kv_manager import KVManager
+from jaxserve.engine.radix_index import common_prefix
 from jaxserve.engine.request import Request
 from jaxserve.sampling_params import SamplingParams
 
@@ -166,3 +167,20 @@ def test_each_eviction_takes_the_least_recently_used_unreferenced_leaf(ops, touc
         sim.index._remove(victim)
         sim.check()
     assert sim.index._lru_leaf() is None
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    a=st.lists(st.integers(0, 2), max_size=700),
+    b=st.lists(st.integers(0, 2), max_size=700),
+    b_from=st.integers(0, 5),
+    as_tuple=st.booleans(),
+)
+def test_common_prefix_in_blocks_is_token_by_token(a, b, b_from, as_tuple):
+    """The block comparison (and a tuple edge against a list of tokens) against the plain loop."""
+    b = [0] * b_from + (a[:600] if len(b) % 2 else []) + b  # long shared runs, past a block
+    limit = min(len(a), len(b) - b_from)
+    n = 0
+    while n < limit and a[n] == b[b_from + n]:
+        n += 1
+    assert common_prefix(tuple(a) if as_tuple else a, b, limit, b_from) == n

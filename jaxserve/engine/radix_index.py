@@ -28,8 +28,28 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
+from collections.abc import Sequence
 
 from jaxserve.engine.page_pool import PagePool
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int, b_from: int = 0) -> int:
+    """Length of the common prefix of ``a`` and ``b[b_from:]``, at most ``limit`` (both
+    reach it): blocks compared at C speed, then token by token inside the block that
+    differs. Token by token it took ~0.25 ms for 4,000 shared tokens (a long system
+    prompt), which a match walks for every request admitted, and admission compares with
+    every waiting request while such a prompt prefills."""
+    same = type(a) is type(b)  # (a tuple never equals a list: convert where they differ)
+    n = 0
+    while n < limit:
+        m = min(256, limit - n)
+        x, y = a[n : n + m], b[b_from + n : b_from + n + m]
+        if x != y if same else tuple(x) != tuple(y):
+            while a[n] == b[b_from + n]:
+                n += 1
+            return n
+        n += m
+    return n
 
 
 class RadixNode:
@@ -71,11 +91,8 @@ class RadixIndex:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            n = 0
             edge = child.tokens
-            limit = min(len(edge), len(tokens) - pos)
-            while n < limit and edge[n] == tokens[pos + n]:
-                n += 1
+            n = common_prefix(edge, tokens, min(len(edge), len(tokens) - pos), pos)
             node, pos = child, pos + n
             if n < len(edge):
                 break

@@ -52,6 +52,7 @@ import logging
 from collections import Counter, deque
 
 from jaxserve.engine.kv_manager import KVManager, PageCopy
+from jaxserve.engine.radix_index import common_prefix
 from jaxserve.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -109,13 +110,6 @@ class Pending:
 class Committed:
     pending: list[Pending]  # the rows that will sample a token
     ended: list[Request]  # prefill-only requests (max_tokens 0) whose prompt is now computed
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n, limit = 0, min(len(a), len(b), limit)
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
 
 
 class Scheduler:
@@ -288,7 +282,9 @@ class Scheduler:
         if not self.kv.prefix_caching or not prefilling:
             return False  # skip the radix match: nothing to wait for
         tokens = request.token_ids
-        shared = max(_common_prefix(tokens, other.token_ids, other.num_prompt_tokens) for other in prefilling)
+        shared = max(
+            common_prefix(tokens, other.token_ids, min(len(tokens), other.num_prompt_tokens)) for other in prefilling
+        )
         return shared - self.kv.cached_length(request) >= self.kv.page_size
 
     def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> bool:
