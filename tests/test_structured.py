@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.engine import structured
 from jaxserve.errors import RequestError
 
 SCHEMA = {
@@ -207,3 +208,14 @@ def test_the_engine_thread_copies_each_grammar_it_never_compiles_one(tiny_model_
     for o in outs:
         jsonschema.validate(json.loads(o.text), SCHEMA)
     assert compiled_on == ["MainThread"]  # one grammar, 8 requests; none on "jaxserve-engine"
+
+
+def test_the_remembered_grammars_are_bounded_in_number_and_characters(llm, monkeypatch):
+    monkeypatch.setattr(structured, "MAX_CHECKED_CHARS", 300_000)
+    compiler = llm.engine.grammars
+    for i in range(12):  # 12 x ~95k characters: past the character bound, not the count
+        compiler.check(SamplingParams(regex=f"x{i}" + "(ab|cd)" * 13_500))
+    assert compiler._checked_chars <= structured.MAX_CHECKED_CHARS
+    assert compiler._checked_chars == sum(map(len, compiler._checked))
+    assert 0 < len(compiler._checked) < 12
+    assert len(compiler._ready) <= structured.MAX_READY_MATCHERS

@@ -42,6 +42,8 @@ def _lark_string(text: str) -> str:
     return json.dumps(text)  # a JSON string literal is a Lark string literal
 
 
+# Grammars whose check is remembered: at most this many, and this many characters.
+MAX_CHECKED, MAX_CHECKED_CHARS = 1024, 8_000_000
 # Compiled matchers kept for copying (~0.1 MB for a small schema, ~3 MB for a
 # 1000-property one over SmolLM2's vocabulary, once its first mask is made).
 MAX_READY_MATCHERS = 64
@@ -59,7 +61,8 @@ class GrammarCompiler:
         self._eos = sorted(eos_token_ids)
         self._tokenizer = None  # llguidance's view of it, built on first use (~0.3 s)
         self._lock = threading.Lock()
-        self._checked: dict[str, str] = {}  # grammar -> "" (valid) or the error, most recent first
+        self._checked: dict[str, str] = {}  # grammar -> "" (valid) or the error, oldest first
+        self._checked_chars = 0  # their length: 1024 grammars of 100k characters would hold 100 MB
         self._ready: dict[str, object] = {}  # grammar -> its LLMatcher at the start, least recently used first
 
     @property
@@ -110,9 +113,12 @@ class GrammarCompiler:
             if not error or error.startswith("WARNING"):
                 error = self._first_mask_error(grammar) or error
             with self._lock:
-                if len(self._checked) >= 1024:
-                    self._checked.pop(next(iter(self._checked)))
+                if grammar not in self._checked:
+                    self._checked_chars += len(grammar)
                 self._checked[grammar] = error
+                while len(self._checked) > MAX_CHECKED or self._checked_chars > MAX_CHECKED_CHARS:
+                    self._checked_chars -= len(oldest := next(iter(self._checked)))
+                    del self._checked[oldest]
         if error and not error.startswith("WARNING"):
             raise RequestError(f"sampling_params.{field}: {error[:500]}")
         self._ready_matcher(grammar)  # compiled here (again, if it has left the cache), not on the engine thread
