@@ -44,7 +44,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int], limit: int, b_from: int = 
     while n < limit:
         m = min(256, limit - n)
         x, y = a[n : n + m], b[b_from + n : b_from + n + m]
-        if x != y if same else tuple(x) != tuple(y):
+        if (x != y) if same else (tuple(x) != tuple(y)):
             while a[n] == b[b_from + n]:
                 n += 1
             return n

@@ -11,9 +11,11 @@ The host keeps one matcher per constrained request (``Constraint``): before a st
 allowed-token bitmask of each constrained row (``fill``); after it, the sampled token
 advances the matcher (``advance``), and a grammar that has accepted with nothing allowed
 after ends the request ("stop"); one that failed (its lexer's limits) ends it too, as
-"abort": its output does not satisfy the constraint. The bitmask goes to the jitted sampler as a fixed-shape input
-(nothing recompiles); steps without a constrained request pass an all-ones mask kept on
-the device, and the sampler skips the masking for them (``lax.cond``).
+"abort": its output does not satisfy the constraint. The bitmask goes to the jitted
+sampler as a fixed-shape input (nothing recompiles); steps without a constrained request
+pass an all-ones mask kept on the device, and the sampler skips the masking for them
+(``lax.cond``). Each grammar is compiled once, on the thread that checks the request,
+and copied per request.
 """
 
 from __future__ import annotations
