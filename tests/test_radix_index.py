@@ -69,6 +69,15 @@ class Sim:
         self.live.append((r, len(tokens) if n > 1 else matched))
         return True
 
+    def play(self, ops, after=lambda: None) -> None:
+        """Starts and finishes requests as ``ops`` say, calling ``after`` after each."""
+        for op, arg in ops:
+            if op == "start":
+                self.start(arg)
+            elif self.live:
+                self.finish(arg)
+            after()
+
     def finish(self, i: int) -> None:
         r, _ = self.live.pop(i % len(self.live))
         self.kv.free(r, keep_cached=True)
@@ -99,17 +108,16 @@ def test_match_equals_longest_common_prefix_without_eviction(ops, page_size):
 @given(ops=ops, page_size=st.sampled_from([2, 3, 4]))
 def test_eviction_under_pressure_keeps_live_prefixes(ops, page_size):
     sim = Sim(num_pages=16, page_size=page_size)
-    for op, arg in ops:
-        if op == "start":
-            sim.start(arg)
-        elif sim.live:
-            sim.finish(arg)
+
+    def still_cached():
         sim.check()
         # what every live request cached (or took from the cache) is still cached and readable
         for r, kept in sim.live:
             matched, got, _ = sim.index.match(r.token_ids)
             assert matched >= kept
             assert sim.read(got, matched) == r.token_ids[:matched]
+
+    sim.play(ops, still_cached)
     while sim.live:
         sim.finish(0)
     sim.index.evict(10**6)
@@ -151,11 +159,7 @@ def test_each_eviction_takes_the_least_recently_used_unreferenced_leaf(ops, touc
     """The candidates heap (kept as the tree changes, stale entries skipped) against a walk
     of the whole tree, which is what eviction did before it."""
     sim = Sim(num_pages=24, page_size=page_size)
-    for op, arg in ops:
-        if op == "start":
-            sim.start(arg)
-        elif sim.live:
-            sim.finish(arg)
+    sim.play(ops)
     for t in touches:
         sim.index.match(t)
     for i in range(len(sim.live) // 2):  # some stay live: their paths are never candidates
