@@ -253,7 +253,8 @@ class RadixIndex:
 
     def check_integrity(self) -> None:
         ps = self.page_size
-        for n in self.nodes():
+        nodes = self.nodes()
+        for n in nodes:
             assert n.ref >= 0, "negative node ref"
             if n is self.root:
                 continue
@@ -264,7 +265,6 @@ class RadixIndex:
             assert n.ref <= n.parent.ref or n.parent is self.root, "child referenced more than its parent"
             for p in n.pages:
                 assert self.pool.refcounts[p] > 0, f"node lists free page {p}"
-        nodes = self.nodes()
         assert self._num_nodes == len(nodes), "node count out of step with the tree"
         oldest = {}  # each candidate's smallest key
         for key, _, n in self._candidates:

@@ -243,8 +243,6 @@ class Scheduler:
         queues: dict[str, deque[Request]] = {}
         for r in order:
             queues.setdefault(r.client, deque()).append(r)
-        if len(queues) < 2:
-            return order
         load = Counter(r.client for r in self.running)
         rank = {id(r): i for i, r in enumerate(order)}
         out = []
