@@ -5,6 +5,7 @@ do not parse, per-client limits, one client's long streams not starving another.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 
 import grpc
@@ -217,6 +218,42 @@ def test_a_second_server_on_a_taken_port_fails_naming_it(served_plain, tiny_mode
         handle.stop()
     with Client(f"127.0.0.1:{taken}") as c:  # the first server still owns its engine and port
         assert len(c.generate([5, 6], max_tokens=2, **GREEDY).token_ids) == 2
+
+
+def _port_in_time_wait() -> int:
+    """A free port whose last connection lingers in TIME_WAIT, as after a server's restart:
+    the listening side closed first."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()
+    client.recv(1)  # the close has reached it
+    client.close()
+    listener.close()
+    with pytest.raises(OSError):  # a plain bind is refused until the TIME_WAIT ends
+        with socket.socket() as plain:
+            plain.bind(("127.0.0.1", port))
+    return port
+
+
+def test_a_restarted_server_binds_its_http_port_at_once(tiny_model_dir):
+    from jaxserve import LLM
+
+    llm = LLM(
+        str(tiny_model_dir("llama3")[0]), dtype="float32", num_pages=64, max_num_seqs=2, progress=False, warmup=False
+    )
+    port = _port_in_time_wait()
+    config = ServerConfig(port=0, http_port=port, metrics_port=None, warmup=False)
+    handle = ServerHandle(Server(llm.handle, config, "tiny", progress=False))
+    try:
+        handle.start()
+        assert handle.server.http_port == port
+    finally:
+        handle.stop()
 
 
 def test_per_client_limits(served_plain):

@@ -178,6 +178,9 @@ class Server:
         cfg = self.cfg
         family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
+        # As uvicorn and gRPC do: a restarted server may bind while the last one's closed
+        # connections linger (TIME_WAIT, a minute); a port some socket listens on stays refused.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((cfg.host, cfg.http_port))
             sock.listen(128)  # connections queue here until uvicorn accepts them
