@@ -31,7 +31,6 @@ import sys
 import time
 
 import grpc
-import httpx
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -99,7 +98,13 @@ class GrpcTarget:
 
 class OpenAITarget:
     """An OpenAI-compatible HTTP server (vLLM's, SGLang's, jaxserve's own): streaming
-    completions of token-id prompts, EOS ignored (vLLM's extra field)."""
+    completions of token-id prompts, EOS ignored (vLLM's extra field).
+
+    aiohttp, as vLLM's and SGLang's serving benchmarks use: httpx's connection pool asks
+    every open connection whether it has expired (a ``getpeername`` each) for every new
+    request, so at 64 streams this client spent most of its core there and requests
+    waited ~0.65 s for it before the server saw them, which the report showed as the
+    server's time to first token."""
 
     multi_turn = False  # completions stream text, not the token ids a history needs
 
@@ -107,19 +112,24 @@ class OpenAITarget:
         self.url, self.model = url.rstrip("/"), model
 
     async def __aenter__(self):
-        self._client = httpx.AsyncClient(base_url=self.url, timeout=None, limits=httpx.Limits(max_connections=None))
+        import aiohttp  # (only here: gRPC runs never load it)
+
+        self._errors = (aiohttp.ClientError, asyncio.TimeoutError, ValueError)
+        self._timeout = aiohttp.ClientTimeout
+        # limit=0: as many connections as requests in flight, each kept for the next request.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self._timeout())
         if self.model is None:  # the server's first (usually only) model
             try:
-                reply = await self._client.get("/v1/models")
-                reply.raise_for_status()
-                self.model = reply.json()["data"][0]["id"]
-            except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-                await self._client.aclose()
+                async with self._session.get(f"{self.url}/v1/models", timeout=self._timeout(total=30)) as reply:
+                    reply.raise_for_status()
+                    self.model = (await reply.json())["data"][0]["id"]
+            except (*self._errors, KeyError, IndexError, TypeError) as e:
+                await self._session.close()
                 raise ConfigError(f"--server {self.url}: no model listed at /v1/models ({e}); pass --model") from None
         return self
 
     async def __aexit__(self, *exc):
-        await self._client.aclose()
+        await self._session.close()
 
     async def stream(self, res: Result, ids: list[int], max_tokens: int, timeout: float):
         """Yields at each streamed chunk that brings text; fills res from the usage chunk."""
@@ -132,12 +142,14 @@ class OpenAITarget:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        url = f"{self.url}/v1/completions"
         try:
-            async with self._client.stream("POST", "/v1/completions", json=body, timeout=timeout) as reply:
-                if reply.status_code != 200:
-                    res.error = f"HTTP {reply.status_code}: {(await reply.aread()).decode(errors='replace')[:200]}"
+            async with self._session.post(url, json=body, timeout=self._timeout(total=timeout)) as reply:
+                if reply.status != 200:
+                    res.error = f"HTTP {reply.status}: {(await reply.read()).decode(errors='replace')[:200]}"
                     return
-                async for line in reply.aiter_lines():
+                async for raw in reply.content:  # one line at a time
+                    line = raw.decode().rstrip("\r\n")
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[len("data: ") :])
@@ -147,7 +159,7 @@ class OpenAITarget:
                         res.cached_tokens = details.get("cached_tokens") or 0
                     if any(c.get("text") for c in chunk.get("choices", ())):
                         yield
-        except httpx.HTTPError as e:
+        except self._errors as e:
             res.error = f"{type(e).__name__}: {e}"
 
 
