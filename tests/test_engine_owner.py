@@ -9,6 +9,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.client import Client
+from jaxserve.engine.async_engine import Delta
 from jaxserve.engine.engine import EngineBusyError
 from jaxserve.server.config import ServerConfig
 from tests.conftest import rng_tokens, serve_llm, wait_until
@@ -169,4 +170,83 @@ def test_an_offline_step_that_fails_after_donation_leaves_a_working_engine(llm, 
     monkeypatch.undo()
     assert llm.generate([prompt], GREEDY)[0].token_ids == expected
     assert llm.stats()["recoveries"] >= 1 and llm.stats()["kv_pages_held"] == 0
+    llm.scheduler.check_integrity()
+
+
+def _delta(tokens: list[int], **end) -> Delta:
+    return Delta("r", list(tokens), "".join(f"<{t}>" for t in tokens), [-0.5] * len(tokens), [], **end)
+
+
+def test_deltas_that_piled_up_are_read_as_one_and_an_error_stays_apart():
+    import asyncio
+
+    from jaxserve.server.submit import merged
+
+    async def read(batches: list[list]) -> list[list[tuple[int, object]]]:
+        queues = [asyncio.Queue() for _ in batches]
+        for q, batch in zip(queues, batches, strict=True):
+            for d in batch:
+                q.put_nowait(d)
+        return [(i, d) async for i, d in merged(queues)]
+
+    end = dict(finish_reason="length", prompt_tokens=3, completion_tokens=4, cached_tokens=1, lease_id="L")
+    [(i, d)] = asyncio.run(read([[_delta([1]), _delta([2, 3]), _delta([4], **end)]]))
+    assert (i, d.token_ids, d.text, d.logprobs) == (0, [1, 2, 3, 4], "<1><2><3><4>", [-0.5] * 4)
+    assert (d.finish_reason, d.prompt_tokens, d.completion_tokens, d.cached_tokens, d.lease_id) == (
+        "length",
+        3,
+        4,
+        1,
+        "L",
+    )
+    # An engine error is its own delta, after the tokens before it, and ends the job.
+    got = asyncio.run(read([[_delta([1]), _delta([2]), _delta([], finish_reason="abort", error="boom"), _delta([9])]]))
+    assert [(d.token_ids, d.error) for _, d in got] == [([1, 2], None), ([], "boom")]
+    # Several jobs (n > 1): each job's pile is gathered on its own.
+    got = asyncio.run(read([[_delta([1]), _delta([2], **end)], [_delta([7]), _delta([8]), _delta([], **end)]]))
+    assert sorted((i, d.token_ids, d.finish_reason) for i, d in got) == [(0, [1, 2], "length"), (1, [7, 8], "length")]
+
+
+def test_a_step_wakes_an_event_loop_once_for_all_its_streams(llm):
+    """The engine thread hands an event loop one step's deltas in one call (each call
+    writes to the loop's wake-up pipe under the GIL); a reader that fell behind reads each
+    stream's tokens as one delta, the same tokens as offline."""
+    import asyncio
+
+    from jaxserve.engine import async_engine
+    from jaxserve.engine.async_engine import EngineThread
+    from jaxserve.server.submit import merged
+
+    prompts = [rng_tokens(20 + i, 320, seed=i) for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    thread = EngineThread(llm.engine)
+    thread.start()
+
+    async def serve():
+        loop = asyncio.get_running_loop()
+        wakeups = 0
+        real = loop.call_soon_threadsafe
+
+        def counting(callback, *args):
+            nonlocal wakeups
+            wakeups += (
+                callback is async_engine._deliver or getattr(callback, "__func__", None) is asyncio.Queue.put_nowait
+            )
+            return real(callback, *args)
+
+        loop.call_soon_threadsafe = counting
+        steps = llm.engine.counters["steps"]
+        queues = [thread.submit(f"s{i}", p, params) for i, p in enumerate(prompts)]
+        # Not reading until every stream has finished: each one's deltas pile up.
+        await loop.run_in_executor(None, wait_until, lambda: thread.num_active == 0, "the streams to finish")
+        outs = [[d async for _, d in merged([q])] for q in queues]
+        return outs, wakeups, llm.engine.counters["steps"] - steps
+
+    try:
+        outs, wakeups, steps = asyncio.run(serve())
+    finally:
+        thread.stop()
+    assert [[(d.token_ids, d.finish_reason) for d in out] for out in outs] == [[(e, "length")] for e in expected]
+    assert 12 <= wakeups <= steps, (wakeups, steps)  # one a step, not one a stream a step (~72)
     llm.scheduler.check_integrity()

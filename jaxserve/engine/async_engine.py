@@ -6,7 +6,9 @@ requests here), and warm-up runs on that same thread. Callers on an asyncio loop
 ``submit`` a request and read :class:`Delta` objects from an ``asyncio.Queue``; plain
 threads ``submit_threadsafe`` and read a ``queue.Queue``. ``abort`` ends a request at the
 next step boundary and releases its pages. Commands travel over a plain ``queue.Queue``;
-deltas travel back with ``loop.call_soon_threadsafe`` (or ``queue.put``).
+deltas travel back with ``queue.put``, or to an event loop with one
+``loop.call_soon_threadsafe`` a step carrying every stream's delta: each such call writes to
+the loop's wake-up pipe, a system call under the GIL, and a step of 256 streams made 256.
 """
 
 from __future__ import annotations
@@ -89,6 +91,25 @@ class Delta:
     prompt_logprobs: list[float | None] | None = None  # final delta, when params.prompt_logprobs
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
+    @property
+    def is_last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def absorb(self, later: Delta) -> None:
+        """Appends ``later`` (the same request's next delta) to this one, so a reader that
+        fell behind answers once for what has piled up, as vLLM's output collector does."""
+        self.token_ids += later.token_ids  # (each delta's lists are its own)
+        self.text += later.text
+        self.logprobs += later.logprobs
+        self.top_logprobs += later.top_logprobs
+        if later.is_last:  # the end and what comes with it: counts, lease, prompt logprobs
+            for name in _END_FIELDS:
+                setattr(self, name, getattr(later, name))
+
+
+# What only a request's last delta carries: every field after the tokens, text and logprobs.
+_END_FIELDS = tuple(f.name for f in dataclasses.fields(Delta))[5:]
+
 
 @dataclasses.dataclass
 class Submission:
@@ -100,6 +121,7 @@ class Submission:
 
     push: Callable[[Delta], None]
     deltas: asyncio.Queue | queue.Queue
+    loop: asyncio.AbstractEventLoop | None = None  # asyncio readers: a step's deltas go to it together
     client: str = ""  # who submitted it: only they may abort it
     tokens: int = 0  # prompt + max_tokens: its share of the client's token limit
     request: Request | None = None
@@ -209,7 +231,7 @@ class EngineThread:
         loop = asyncio.get_running_loop()
         push = functools.partial(loop.call_soon_threadsafe, deltas.put_nowait)
         submission = Submission(
-            push, deltas, client, len(prompt_ids) + params.max_tokens, submitted_at=time.monotonic()
+            push, deltas, loop, client, len(prompt_ids) + params.max_tokens, submitted_at=time.monotonic()
         )
         self._submit(submission, request_id, prompt_ids, params, True, pin_s)
         return deltas
@@ -362,10 +384,11 @@ class EngineThread:
                         del self.abort_delay_steps[next(iter(self.abort_delay_steps))]
                 self._finish(command[1], stream)
 
-    def _finish(self, request_id: str, stream: Submission) -> None:
-        stream.push(self._delta(request_id, stream))
+    def _finish(self, request_id: str, stream: Submission, outbox: dict | None = None) -> None:
+        delta = self._delta(request_id, stream)
         with self._lock:
             self._forget(request_id)
+        _send(stream, delta, outbox)
 
     def _end_all(self, reason: str, error: str | None, started_only: bool = False) -> None:
         """Ends the requests here (``started_only``: those the engine has already) with a
@@ -459,12 +482,30 @@ class EngineThread:
             if self.on_step is not None:
                 self.on_step(self, advanced, finished, now)
             done = {r.request_id for r in finished}
+            outbox: dict[asyncio.AbstractEventLoop, list] = {}
             for r in advanced:
                 stream = self._streams.get(r.request_id)
                 if stream is None:
                     continue
                 if r.request_id in done:
-                    self._finish(r.request_id, stream)
+                    self._finish(r.request_id, stream, outbox)
                 elif r.num_output_tokens > stream.sent_tokens:
-                    stream.push(self._delta(r.request_id, stream))
+                    _send(stream, self._delta(r.request_id, stream), outbox)
+            for loop, items in outbox.items():
+                loop.call_soon_threadsafe(_deliver, items)
         # shutting down: _close ends whatever is left with finish_reason abort
+
+
+def _send(stream: Submission, delta: Delta, outbox: dict | None) -> None:
+    """Pushes ``delta`` now, or (an asyncio reader, with ``outbox``) adds it to its loop's
+    batch, which the step hands over in one call."""
+    if outbox is None or stream.loop is None:
+        stream.push(delta)
+    else:
+        outbox.setdefault(stream.loop, []).append((stream.deltas, delta))
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Delta]]) -> None:
+    """On the event loop: one step's deltas to their readers."""
+    for deltas, delta in items:
+        deltas.put_nowait(delta)

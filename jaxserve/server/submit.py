@@ -40,23 +40,36 @@ def submit_all(
 
 async def merged(queues: Sequence[asyncio.Queue]) -> AsyncIterator[tuple[int, Delta]]:
     """(job index, delta) of every job as they come, until each has its final delta.
-    A delta with ``error`` is yielded like any other (its job has ended)."""
+    Deltas that piled up while the reader was busy come as one (``Delta.absorb``): a loaded
+    server answers a stream once per wake-up, not once per token. A delta with ``error`` is
+    yielded on its own, like any other (its job has ended)."""
     if len(queues) == 1:  # the ordinary call: read it directly, no task per delta
         while True:
-            delta = await queues[0].get()
-            yield 0, delta
-            if delta.finish_reason is not None or delta.error is not None:
-                return
+            for delta in _gathered(await queues[0].get(), queues[0]):
+                yield 0, delta
+                if delta.is_last:
+                    return
     getters = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
     try:
         while getters:
             done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
             for future in done:
                 i = getters.pop(future)
-                delta = future.result()
-                yield i, delta
-                if delta.finish_reason is None and delta.error is None:
+                for delta in _gathered(future.result(), queues[i]):
+                    yield i, delta
+                if not delta.is_last:
                     getters[asyncio.ensure_future(queues[i].get())] = i
     finally:
         for future in getters:
             future.cancel()
+
+
+def _gathered(first: Delta, deltas: asyncio.Queue) -> list[Delta]:
+    """``first`` with whatever already waits behind it absorbed: one delta, or two when the
+    second carries an error (never merged, so the tokens before it are answered first)."""
+    while not first.is_last and not deltas.empty():
+        later = deltas.get_nowait()
+        if later.error is not None:
+            return [first, later]
+        first.absorb(later)
+    return [first]
