@@ -346,7 +346,7 @@ def test_a_step_looks_at_a_few_of_a_long_waiting_queue_not_all(monkeypatch):
         sched.add(_request(i, 20 + i % 7, 8))
     checks = []
     real = Scheduler._fork
-    monkeypatch.setattr(Scheduler, "_fork", lambda self, twin, out: checks.append(twin) or real(self, twin, out))
+    monkeypatch.setattr(Scheduler, "_fork", lambda self, twin, *rest: checks.append(twin) or real(self, twin, *rest))
     for _ in range(40):
         checks.clear()
         out = sched.schedule()
@@ -354,3 +354,27 @@ def test_a_step_looks_at_a_few_of_a_long_waiting_queue_not_all(monkeypatch):
         assert len(checks) <= 5, len(checks)  # those admitted, and one that found no room
         sched.update(out, [1] * out.num_rows)
     assert sched.num_forks == 0 and len(sched.waiting) < 2000
+
+
+def test_a_twin_is_looked_for_among_the_prompts_a_step_finishes_not_among_its_decodes(monkeypatch):
+    """A waiting request's fork check used to walk every row of the step (~1 us a row it
+    asked "does it finish its prompt"): 256 decodes and a few prompts admitted a step
+    cost ~3 ms. Counted: that question, asked once per prefill row a step."""
+    from jaxserve.engine import scheduler
+
+    sched = Scheduler(KVManager(4000, 16), max_num_batched_tokens=256, max_num_seqs=64, max_model_len=512)
+    for i in range(200):
+        sched.add(_request(i, 30, 40))  # one prompt length: every row a possible parent
+    asked = []
+    real = scheduler._finishes_prompt
+    monkeypatch.setattr(scheduler, "_finishes_prompt", lambda r, n: asked.append(r) or real(r, n))
+    decoding_steps = 0
+    for _ in range(60):
+        asked.clear()
+        out = sched.schedule()
+        sched.check_integrity()
+        prefill_rows = len(out.scheduled) - out.num_decode_tokens
+        assert len(asked) <= prefill_rows, (len(asked), prefill_rows, out.num_decode_tokens)
+        decoding_steps += out.num_decode_tokens >= 32 and prefill_rows > 0
+        sched.update(out, [1] * out.num_rows)
+    assert decoding_steps >= 3  # the case in question: many decodes beside admissions

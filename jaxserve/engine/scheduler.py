@@ -306,24 +306,22 @@ class Scheduler:
         out.num_prefill_tokens += n
         return True
 
-    def _fork(self, twin: Request, out: SchedulerOutput) -> bool:
-        """Forks ``twin`` from a request whose prompt this step finishes, if one has the same
-        prompt: it then computes none of it (its first token is sampled from that row's
-        logits, which batch invariance makes the ones it would compute itself)."""
+    def _fork(self, twin: Request, out: SchedulerOutput, finishing: dict[int, list[Request]]) -> bool:
+        """Forks ``twin`` from a request whose prompt this step finishes (``finishing``, by
+        prompt length), if one has the same prompt: it then computes none of it (its first
+        token is sampled from that row's logits, which batch invariance makes the ones it
+        would compute itself)."""
         if (
-            twin.num_pending
+            twin.num_prompt_tokens not in finishing
+            or twin.num_pending
             or twin.num_tokens != twin.num_prompt_tokens  # preempted with output: not a twin
             or twin.params.prompt_logprobs is not None
             or twin.params.max_tokens == 0
             or not self._room_to_fork(out)
         ):
             return False
-        for parent, n in out.scheduled:
-            if (
-                parent.num_prompt_tokens == twin.num_prompt_tokens
-                and _finishes_prompt(parent, n)
-                and parent.token_ids == twin.token_ids
-            ):
+        for parent in finishing[twin.num_prompt_tokens]:
+            if parent.token_ids == twin.token_ids:
                 page = self.kv.reserve_fork(parent)
                 if page is None:
                     return False
@@ -353,9 +351,10 @@ class Scheduler:
 
         self._reclaim_slot(out)
 
-        # 1. Decodes, oldest first; preempt the newest when a page is missing.
+        # 1. Decodes, oldest first; preempt the newest when a page is missing. (A request
+        # preempted meanwhile is no longer RUNNING: asking the list was O(running) each.)
         for request in list(self.running):
-            if request not in self.running or not request.is_prefill_done or budget() == 0:
+            if request.status is not RequestStatus.RUNNING or not request.is_prefill_done or budget() == 0:
                 continue
             if request.num_pending and self._ends_by_length(request):
                 continue  # the token in flight is its last
@@ -368,15 +367,22 @@ class Scheduler:
         for request in list(self.running):
             if budget() == 0:
                 break
-            if request not in self.running or id(request) in scheduled or request.is_prefill_done:
+            if request.status is not RequestStatus.RUNNING or id(request) in scheduled or request.is_prefill_done:
                 continue
             n = min(request.num_tokens_to_compute, budget())
             if self._reserve(request, n, out):
                 out.scheduled.append((request, n))
                 out.num_prefill_tokens += n
+        # The requests whose prompt this step finishes, by prompt length: a twin's possible
+        # parents. Not the decodes (scheduled first; they have sampled), so a waiting
+        # request looks at a few rows, not at every row of a 256-sequence step.
+        finishing: dict[int, list[Request]] = {}
+        for request, n in out.scheduled[out.num_decode_tokens :]:
+            if _finishes_prompt(request, n):
+                finishing.setdefault(request.num_prompt_tokens, []).append(request)
         order, forked = self._admission_order(), set()
         for request in order:
-            if self._fork(request, out):
+            if self._fork(request, out, finishing):
                 forked.add(id(request))
                 continue
             if budget() == 0 or len(self.running) + len(out.forks) >= self.max_num_seqs:
@@ -387,20 +393,22 @@ class Scheduler:
                 continue  # wait for the running request to cache the shared prefix
             if not self._admit(request, out, budget()):
                 break
+            admitted, n = out.scheduled[-1]
+            if _finishes_prompt(admitted, n):
+                finishing.setdefault(admitted.num_prompt_tokens, []).append(admitted)
         # 3. Twins of the prompts this step finishes (n > 1 samples, identical requests),
         # also past where admission stopped: they take no budget. Only a waiting request
         # as long as such a prompt can be one, and none once the step is full (a walk of
         # the whole queue every step cost ~1 us a request).
-        lengths = {r.num_prompt_tokens for r, n in out.scheduled if _finishes_prompt(r, n)}
-        for request in order if lengths else ():
+        for request in order if finishing else ():
             if not self._room_to_fork(out):
                 break
             if (
-                request.num_prompt_tokens in lengths
+                request.num_prompt_tokens in finishing
                 and id(request) not in forked
                 and request.status is not RequestStatus.RUNNING  # not admitted above
             ):
-                self._fork(request, out)
+                self._fork(request, out, finishing)
         return out
 
     def update(self, out: SchedulerOutput, tokens: list[int]) -> list[Sampled]:
