@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -15,3 +19,80 @@ def test_streamed_emoji_and_cjk_come_out_whole(tiny_model_dir):
     assert "".join(deltas) == text
     assert not any("\ufffd" in d for d in deltas)
     assert sum(1 for d in deltas if d) < len(ids)  # some tokens were held back mid-character
+
+
+def _python_only(tok, prompt, ids, skip_special_tokens=True) -> list[str]:
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens)
+    detok._stream = None  # the Python window throughout: the reference
+    return [detok.add(t) for t in ids]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir("llama")[0]))
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompt=st.lists(st.integers(0, 299), max_size=10),
+    ids=st.lists(st.integers(0, 299), max_size=40),
+    skip=st.booleans(),
+)
+def test_the_rust_stream_gives_the_python_windows_deltas(tok, prompt, ids, skip):
+    """Random ids (special tokens, split characters, invalid UTF-8 included): the same
+    deltas, token for token, as the Python window, or its text from where the stream
+    refused a token (the rest of the request goes on in Python)."""
+    detok = IncrementalDetokenizer(tok, prompt, skip)
+    # A fast tokenizer: the Rust stream, unless the context ends inside a character.
+    assert (detok._stream is None) == tok.decode(prompt[-6:], skip_special_tokens=skip).endswith("\ufffd")
+    deltas = [detok.add(t) for t in ids]
+    reference = _python_only(tok, prompt, ids, skip)
+    if detok._stream is not None:
+        assert deltas == reference
+    else:  # the stream refused one: the text still adds up
+        assert "".join(deltas) == "".join(reference)
+    assert detok.text == "".join(deltas)
+
+
+def test_a_refusing_stream_hands_over_to_python_without_losing_text(tok):
+    text = "Paris 😀 is 日本語 and café. Machine learning is fun."
+    ids = tok.encode(text, add_special_tokens=False)
+    prompt = tok.encode("Prompt:", add_special_tokens=False)
+
+    class Refusing:
+        """The real stream until its ``refuse_at``-th token, which it refuses."""
+
+        def __init__(self, real, refuse_at: int):
+            self.real, self.refuse_at, self.calls = real, refuse_at, 0
+
+        def step(self, rust, token_id):
+            self.calls += 1
+            if self.calls > self.refuse_at:
+                raise Exception("Invalid prefix encountered")
+            return self.real.step(rust, token_id)
+
+    for refuse_at in range(len(ids)):
+        detok = IncrementalDetokenizer(tok, prompt)
+        detok._stream = refusing = Refusing(detok._stream, refuse_at)
+        assert "".join(detok.add(t) for t in ids) == text, refuse_at
+        assert detok._stream is None and refusing.calls == refuse_at + 1
+
+
+def test_a_tokenizer_with_its_own_decoding_keeps_the_python_window(tok):
+    class Cleaning(type(tok)):  # a subclass that decodes its own way
+        def decode(self, *args, **kwargs):
+            return super().decode(*args, **kwargs)
+
+    tok.__class__, real = Cleaning, tok.__class__
+    try:
+        assert IncrementalDetokenizer(tok)._stream is None
+    finally:
+        tok.__class__ = real
+    tok.clean_up_tokenization_spaces = True  # decode's post-processing: the Python window
+    try:
+        assert IncrementalDetokenizer(tok)._stream is None
+    finally:
+        tok.clean_up_tokenization_spaces = False
+    assert IncrementalDetokenizer(tok)._stream is not None
