@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -91,7 +92,17 @@ class PackedBatch:
 def pack(
     seqs: list[ScheduledSeq], page_size: int, pages_per_seq: int, token_buckets: list[int], seq_buckets: list[int]
 ) -> PackedBatch:
-    num_tokens = sum(len(s.token_ids) for s in seqs)
+    """The step's metadata, built with a handful of whole-array operations rather than a
+    dozen small ones per sequence (~10 us a sequence: 2.6 ms a step at 256 decodes)."""
+    k = next((i for i, s in enumerate(seqs) if s.logits_of >= 0), len(seqs))  # sequences with tokens
+    if any(s.logits_of < 0 for s in seqs[k:]):
+        raise ValueError("twins (logits_of >= 0) come after every sequence with tokens")
+    real = seqs[:k]
+    lens = np.fromiter((len(s.token_ids) for s in real), np.int32, k)
+    starts = np.fromiter((s.start for s in real), np.int32, k)
+    ends = np.cumsum(lens, dtype=np.int32)  # each sequence's rows are [ends - lens, ends)
+    begins = ends - lens
+    num_tokens = int(ends[-1]) if k else 0
     t_pad = pick_bucket(token_buckets, num_tokens)
     s_pad = pick_bucket(seq_buckets, len(seqs))
     input_ids = np.zeros(t_pad, np.int32)
@@ -102,27 +113,24 @@ def pack(
     page_table = np.full((s_pad, pages_per_seq), SCRATCH_PAGE, np.int32)
     logits_indices = np.zeros(s_pad, np.int32)
     feed_rows = np.full(t_pad, -1, np.int32)
-    offset = 0
     sample_positions = np.zeros(s_pad, np.int32)
-    for i, s in enumerate(seqs):
-        if s.logits_of >= 0:
-            query_start_loc[i] = offset
-            logits_indices[i] = s.logits_of
-            sample_positions[i] = s.start
-            continue
-        n = len(s.token_ids)
-        pos = np.arange(s.start, s.start + n, dtype=np.int32)
-        pages = np.asarray(s.pages, np.int32)
-        input_ids[offset : offset + n] = s.token_ids
-        positions[offset : offset + n] = pos
-        slot_mapping[offset : offset + n] = pages[pos // page_size] * page_size + pos % page_size
-        query_start_loc[i] = offset
-        kv_lens[i] = s.start + n
-        page_table[i, : len(pages)] = pages
-        logits_indices[i] = offset + n - 1
-        sample_positions[i] = s.start + n
-        feed_rows[offset] = s.feed_row
-        offset += n
+
+    input_ids[:num_tokens] = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in real), np.int32, num_tokens)
+    row_seq = np.repeat(np.arange(k), lens)  # each token row's sequence
+    pos = np.arange(num_tokens, dtype=np.int32) + (starts - begins)[row_seq]
+    positions[:num_tokens] = pos
+    num_pages = np.fromiter((len(s.pages) for s in real), np.int64, k)
+    pages = np.fromiter(itertools.chain.from_iterable(s.pages for s in real), np.int32, int(num_pages.sum()))
+    page_table[:k][np.arange(pages_per_seq) < num_pages[:, None]] = pages  # row by row, in order
+    slot_mapping[:num_tokens] = page_table[row_seq, pos // page_size] * page_size + pos % page_size
+    query_start_loc[:k] = begins
+    kv_lens[:k] = starts + lens
+    logits_indices[:k] = ends - 1
+    sample_positions[:k] = starts + lens
+    feed_rows[begins] = np.fromiter((s.feed_row for s in real), np.int32, k)
+    # Twins: no rows of their own; the logits of a row above, sampled at their prompt's end.
+    logits_indices[k : len(seqs)] = [s.logits_of for s in seqs[k:]]
+    sample_positions[k : len(seqs)] = [s.start for s in seqs[k:]]
     md = AttentionMetadata(
         input_ids, positions, slot_mapping, query_start_loc, kv_lens, page_table, logits_indices, np.int32(len(seqs))
     )
