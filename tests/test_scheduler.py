@@ -378,3 +378,28 @@ def test_a_twin_is_looked_for_among_the_prompts_a_step_finishes_not_among_its_de
         decoding_steps += out.num_decode_tokens >= 32 and prefill_rows > 0
         sched.update(out, [1] * out.num_rows)
     assert decoding_steps >= 3  # the case in question: many decodes beside admissions
+
+
+def test_admission_gathers_the_prefilling_requests_once_a_step(monkeypatch):
+    """Whether a waiting request shares a prefix still being computed was asked of every
+    running request, for each waiting request admission looked at (O(running) each).
+    Counted: ``is_prefill_done`` asked per step, against the running requests."""
+    sched = Scheduler(KVManager(4000, 16), max_num_batched_tokens=256, max_num_seqs=64, max_model_len=512)
+    for i in range(200):
+        sched.add(_request(i, 12, 40))
+    asked = [0]
+    real = Request.is_prefill_done
+    monkeypatch.setattr(
+        Request, "is_prefill_done", property(lambda r: asked.__setitem__(0, asked[0] + 1) or real.fget(r))
+    )
+    busy_steps = 0
+    for _ in range(60):
+        asked[0] = 0
+        running = len(sched.running)
+        out = sched.schedule()
+        admitted = len(sched.running) - running
+        assert asked[0] <= 3 * running + 2 * admitted + 2, (asked[0], running, admitted)
+        busy_steps += running >= 32 and admitted >= 2
+        sched.update(out, [1] * out.num_rows)
+    sched.check_integrity()
+    assert busy_steps >= 3  # the case in question: admissions beside many running requests

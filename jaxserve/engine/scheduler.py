@@ -273,11 +273,11 @@ class Scheduler:
         self._preempt(victim, keep_cached=True)
         out.preempted.append(victim)
 
-    def _shares_uncached_prefix(self, request: Request) -> bool:
-        """True if a running request is still prefilling a prefix this one shares beyond
-        what is cached: admitting it now would compute that prefix twice."""
-        prefilling = [r for r in self.running if not r.is_prefill_done]
-        if not self.kv.prefix_caching or not prefilling:
+    def _shares_uncached_prefix(self, request: Request, prefilling: list[Request]) -> bool:
+        """True if a running request (of ``prefilling``, those still prefilling) is computing
+        a prefix this one shares beyond what is cached: admitting it now would compute that
+        prefix twice."""
+        if not prefilling:
             return False  # skip the radix match: nothing to wait for
         tokens = request.token_ids
         shared = max(
@@ -380,6 +380,8 @@ class Scheduler:
         for request, n in out.scheduled[out.num_decode_tokens :]:
             if _finishes_prompt(request, n):
                 finishing.setdefault(request.num_prompt_tokens, []).append(request)
+        # Kept as admissions add to it, not gathered for each waiting request: O(running) each.
+        prefilling = [r for r in self.running if not r.is_prefill_done] if self.kv.prefix_caching else []
         order, forked = self._admission_order(), set()
         for request in order:
             if self._fork(request, out, finishing):
@@ -389,11 +391,13 @@ class Scheduler:
                 break
             if request.num_pending:
                 continue  # preempted with a token in flight: admitted once it is known
-            if self._shares_uncached_prefix(request):
+            if self._shares_uncached_prefix(request, prefilling):
                 continue  # wait for the running request to cache the shared prefix
             if not self._admit(request, out, budget()):
                 break
             admitted, n = out.scheduled[-1]
+            if self.kv.prefix_caching and not admitted.is_prefill_done:
+                prefilling.append(admitted)
             if _finishes_prompt(admitted, n):
                 finishing.setdefault(admitted.num_prompt_tokens, []).append(admitted)
         # 3. Twins of the prompts this step finishes (n > 1 samples, identical requests),
