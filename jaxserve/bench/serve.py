@@ -116,8 +116,11 @@ class OpenAITarget:
 
         self._errors = (aiohttp.ClientError, asyncio.TimeoutError, ValueError)
         self._timeout = aiohttp.ClientTimeout
-        # limit=0: as many connections as requests in flight, each kept for the next request.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self._timeout())
+        # limit=0: as many connections as requests in flight, each kept for the next request
+        # while idle under 3 s: uvicorn (jaxserve's, vLLM's, SGLang's HTTP servers) closes
+        # one idle for 5 s, and a request sent on it as it closes fails ("connection reset").
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout())
         if self.model is None:  # the server's first (usually only) model
             try:
                 async with self._session.get(f"{self.url}/v1/models", timeout=self._timeout(total=30)) as reply:
