@@ -33,6 +33,9 @@ from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# While requests run, the live figures are replaced at most this often (seconds).
+PUBLISH_EVERY_S = 0.05
+
 # Engine threads started and not yet stopped. They are daemons (a forgotten one must not
 # keep a script alive), and the interpreter ends a daemon thread wherever it is at exit:
 # one inside an XLA call aborts the process ("terminate called ...", exit 134). So the
@@ -154,9 +157,11 @@ class EngineThread:
         # Requests ended before finishing, by why: cancelled (the caller went away or asked),
         # error (a failed step), shutdown (drain ran out, or the thread stopped).
         self.aborted: collections.Counter[str] = collections.Counter()
-        # Live figures, replaced whole by the engine thread after every step and every batch
-        # of commands, so readers on other threads (metrics, GetServerStats) see one moment.
+        # Live figures, replaced whole by the engine thread after every batch of commands, the
+        # step that leaves it idle, and steps PUBLISH_EVERY_S apart between, so readers on
+        # other threads (metrics, GetServerStats) see one moment.
         self.snapshot: dict[str, int] = {}
+        self._published_at = float("-inf")
         # request_id -> engine steps between abort() and the abort taking effect (metrics, tests)
         self.abort_delay_steps: dict[str, int] = {}
         self._abort_asked_at: dict[str, int] = {}
@@ -445,7 +450,14 @@ class EngineThread:
         self._publish()
         self.engine.release(self._thread)
 
-    def _publish(self) -> None:
+    def _publish(self, force: bool = True) -> None:
+        """Replaces the live figures; ``force=False`` (after a step while requests run): only
+        if PUBLISH_EVERY_S has passed, as counting the pages held walks every running
+        request's pages (~1.2 ms at 256 requests of 100 pages, each step)."""
+        now = time.monotonic()
+        if not force and now - self._published_at < PUBLISH_EVERY_S:
+            return
+        self._published_at = now
         self.snapshot = {
             **self.engine.stats(),
             "requests_waiting": self.num_waiting,  # those not yet handed to the engine too
@@ -478,7 +490,7 @@ class EngineThread:
                 self._publish()
                 continue
             now = time.monotonic()
-            self._publish()
+            self._publish(force=not self.engine.has_unfinished())  # idle: the final figures at once
             if self.on_step is not None:
                 self.on_step(self, advanced, finished, now)
             done = {r.request_id for r in finished}
