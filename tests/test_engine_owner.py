@@ -238,8 +238,16 @@ def test_a_step_wakes_an_event_loop_once_for_all_its_streams(llm):
         loop.call_soon_threadsafe = counting
         steps = llm.engine.counters["steps"]
         queues = [thread.submit(f"s{i}", p, params) for i, p in enumerate(prompts)]
-        # Not reading until every stream has finished: each one's deltas pile up.
-        await loop.run_in_executor(None, wait_until, lambda: thread.num_active == 0, "the streams to finish")
+
+        # Not reading until every stream has finished: each one's deltas pile up. A stream
+        # is forgotten just before its step's deltas are handed over: the engine thread's
+        # next command (a no-op call) runs after that hand-off, which the loop then runs
+        # before it resumes this coroutine.
+        def finished():
+            wait_until(lambda: thread.num_active == 0, "the streams to finish")
+            thread.call(lambda engine: None)
+
+        await loop.run_in_executor(None, finished)
         outs = [[d async for _, d in merged([q])] for q in queues]
         return outs, wakeups, llm.engine.counters["steps"] - steps
 
