@@ -100,7 +100,7 @@ class Metrics:
             self._httpd = None
 
     def on_step(self, thread, advanced, finished, now: float) -> None:
-        prefill = thread.snapshot.get("prefill_tokens_computed", 0)
+        prefill = thread.engine.counters["prefill_tokens_computed"]  # (the engine thread's own: exact each step)
         self.prompt_tokens.inc(prefill - self._last_prefill)
         self._last_prefill = prefill
         self.generation_tokens.inc(len(advanced))  # each advanced request got one token
