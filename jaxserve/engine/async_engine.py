@@ -18,7 +18,6 @@ import atexit
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import queue
 import threading
@@ -110,8 +109,9 @@ class Delta:
                 setattr(self, name, getattr(later, name))
 
 
-# What only a request's last delta carries: every field after the tokens, text and logprobs.
-_END_FIELDS = tuple(f.name for f in dataclasses.fields(Delta))[5:]
+# What only a request's last delta carries: all but the request and what streams.
+_STREAMED = ("request_id", "token_ids", "text", "logprobs", "top_logprobs")
+_END_FIELDS = tuple(f.name for f in dataclasses.fields(Delta) if f.name not in _STREAMED)
 
 
 @dataclasses.dataclass
@@ -122,15 +122,21 @@ class Submission:
     that has received the final delta may read it (the engine no longer touches it).
     """
 
-    push: Callable[[Delta], None]
     deltas: asyncio.Queue | queue.Queue
-    loop: asyncio.AbstractEventLoop | None = None  # asyncio readers: a step's deltas go to it together
+    loop: asyncio.AbstractEventLoop | None = None  # an asyncio reader's: a step's deltas go to it together
     client: str = ""  # who submitted it: only they may abort it
     tokens: int = 0  # prompt + max_tokens: its share of the client's token limit
     request: Request | None = None
     sent_tokens: int = 0
     sent_text: int = 0
     submitted_at: float = 0.0
+
+    def push(self, delta: Delta) -> None:
+        """Hands ``delta`` to the reader now (a step's deltas to a loop go together: ``_send``)."""
+        if self.loop is None:
+            self.deltas.put(delta)
+        else:
+            self.loop.call_soon_threadsafe(self.deltas.put_nowait, delta)
 
 
 class EngineThread:
@@ -234,9 +240,8 @@ class EngineThread:
         """
         deltas: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        push = functools.partial(loop.call_soon_threadsafe, deltas.put_nowait)
         submission = Submission(
-            push, deltas, loop, client, len(prompt_ids) + params.max_tokens, submitted_at=time.monotonic()
+            deltas, loop, client, len(prompt_ids) + params.max_tokens, submitted_at=time.monotonic()
         )
         self._submit(submission, request_id, prompt_ids, params, True, pin_s)
         return deltas
@@ -252,7 +257,7 @@ class EngineThread:
         """Queues a request from a plain thread; its deltas arrive on ``.deltas`` (a queue.Queue).
         ``enforce_limit=False``: the caller is a local offline batch, not a client to refuse."""
         deltas: queue.Queue = queue.Queue()
-        submission = Submission(deltas.put, deltas, submitted_at=time.monotonic())
+        submission = Submission(deltas, submitted_at=time.monotonic())
         self._submit(submission, request_id, prompt_ids, params, enforce_limit, pin_s)
         return submission
 

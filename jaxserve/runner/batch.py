@@ -124,9 +124,8 @@ def pack(
     page_table[:k][np.arange(pages_per_seq) < num_pages[:, None]] = pages  # row by row, in order
     slot_mapping[:num_tokens] = page_table[row_seq, pos // page_size] * page_size + pos % page_size
     query_start_loc[:k] = begins
-    kv_lens[:k] = starts + lens
+    kv_lens[:k] = sample_positions[:k] = starts + lens  # (each samples the position after its last)
     logits_indices[:k] = ends - 1
-    sample_positions[:k] = starts + lens
     feed_rows[begins] = np.fromiter((s.feed_row for s in real), np.int32, k)
     # Twins: no rows of their own; the logits of a row above, sampled at their prompt's end.
     logits_indices[k : len(seqs)] = [s.logits_of for s in seqs[k:]]
