@@ -23,7 +23,7 @@ def test_streamed_emoji_and_cjk_come_out_whole(tiny_model_dir):
 
 def _python_only(tok, prompt, ids, skip_special_tokens=True) -> list[str]:
     detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens)
-    detok._stream = None  # the Python window throughout: the reference
+    detok._stream = detok._rust = None  # the Python window throughout: the reference
     return [detok.add(t) for t in ids]
 
 
@@ -49,11 +49,30 @@ def test_the_rust_stream_gives_the_python_windows_deltas(tok, prompt, ids, skip)
     assert (detok._stream is None) == tok.decode(prompt[-6:], skip_special_tokens=skip).endswith("\ufffd")
     deltas = [detok.add(t) for t in ids]
     reference = _python_only(tok, prompt, ids, skip)
-    if detok._stream is not None:
+    if detok._rust is not None:  # (a stream that refuses a token drops it for good)
         assert deltas == reference
     else:  # the stream refused one: the text still adds up
         assert "".join(deltas) == "".join(reference)
     assert detok.text == "".join(deltas)
+
+
+def test_a_context_ending_inside_a_character_hands_over_to_rust_after_a_delta(tok):
+    """Token-id prompts (random ones, as benchmarks send) often end inside a character:
+    such a request starts in Python and goes on in Rust once a delta is out."""
+    ids = tok.encode("日本語 and café, machine learning is fun.", add_special_tokens=False)
+    split = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
+    prompt, out = ids[:split], ids[split:]
+    detok = IncrementalDetokenizer(tok, prompt)
+    assert detok._stream is None  # its context ends inside a character
+    deltas = [detok.add(t) for t in out]
+    assert deltas == _python_only(tok, prompt, out)
+    assert "".join(deltas).endswith(" and café, machine learning is fun.")
+    assert detok._stream is not None
+    first = next(i for i, d in enumerate(deltas) if d)
+    streamed = IncrementalDetokenizer(tok, prompt)
+    for t in out[: first + 1]:
+        streamed.add(t)
+    assert streamed._stream is not None  # from the first delta on
 
 
 def test_a_refusing_stream_hands_over_to_python_without_losing_text(tok):

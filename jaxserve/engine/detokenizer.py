@@ -10,7 +10,9 @@ in Rust (``tokenizers``' ``DecodeStream``, as vLLM does): ~0.7 us a token agains
 through ``decode`` twice (SmolLM2's tokenizer), 1.5 ms a step at 256 streams. Where the
 stream refuses a token (its window's text stops being a prefix of the next one: some
 byte-fallback vocabularies, vLLM issue 17448), that request goes on in Python from the
-last token the stream emitted.
+last token the stream emitted. A context that ends inside a character (token-id prompts
+can: random ones often do) starts in Python, whose window counts that character as the
+prompt's, and hands over to the stream once a delta has put it behind.
 """
 
 from __future__ import annotations
@@ -48,12 +50,17 @@ class IncrementalDetokenizer:
         self.text = ""
         self._rust = _rust_decoder(tokenizer)
         self._stream = None
-        # A context ending inside a character (token-id prompts can) counts as emitted for
-        # the Python window but not for the stream, which would emit its U+FFFD: Python.
-        if self._rust is not None and not self._decode(self.ids).endswith("\ufffd"):
+        self._stream_at(self.ids)
+
+    def _stream_at(self, window: list[int]) -> None:
+        """Goes on in Rust from the Python window's state (``window``: its ids from
+        ``prefix_offset`` to ``read_offset``, all emitted), unless their text ends inside a
+        character: the Python window counts such a character as emitted, the stream would
+        emit its U+FFFD. Called at the start and after each delta the window emits."""
+        if self._rust is not None and not self._decode(window).endswith("\ufffd"):
             from tokenizers.decoders import DecodeStream
 
-            self._stream = DecodeStream(ids=self.ids, skip_special_tokens=skip_special_tokens)
+            self._stream = DecodeStream(ids=window, skip_special_tokens=self.skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -65,7 +72,7 @@ class IncrementalDetokenizer:
             try:
                 delta = self._stream.step(self._rust, token_id)
             except Exception:  # noqa: BLE001 - the stream's state is spent: Python from here
-                self._stream = None
+                self._stream = self._rust = None  # (for good: it may refuse again)
                 self.prefix_offset = max(0, self.read_offset - CONTEXT_TOKENS)
             else:
                 if delta:
@@ -79,5 +86,6 @@ class IncrementalDetokenizer:
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
             self.text += delta
+            self._stream_at(self.ids[self.prefix_offset :])
             return delta
         return ""
