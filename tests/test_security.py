@@ -160,6 +160,28 @@ def served_plain(tiny_model_dir):
         yield server, addr
 
 
+def test_an_idle_http_connection_outlives_common_clients_idle_times(served_plain):
+    """A connection idle for 6 s still serves: uvicorn's own keep-alive (5 s) equals httpx's
+    (the openai client's), so a request sent as the server closed the connection would race
+    it ("connection reset"); server.http_keep_alive_seconds (75 s) is above both."""
+    import http.client
+    import time
+
+    server, _ = served_plain
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    try:
+        conn.request("GET", "/v1/models")
+        assert conn.getresponse().read() and conn.sock is not None
+        sock = conn.sock
+        time.sleep(6)  # idle past uvicorn's and the clients' 5 s (a wait, not a timing)
+        conn.request("GET", "/v1/models")  # on the same connection: it was not closed
+        response = conn.getresponse()
+        assert response.status == 200 and conn.sock is sock
+        response.read()
+    finally:
+        conn.close()
+
+
 def test_a_request_over_max_request_bytes_is_refused_unparsed(served_plain):
     """An HTTP body over the cap is 413 before anything parses it: a declared length is not
     even read, a chunked body is read only up to the cap; gRPC's messages have the same cap."""

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from jaxserve.config import EngineConfig, Rule, at_least, check_types, from_options, option, read_config_file
+from jaxserve.config import EngineConfig, Rule, above, at_least, check_types, from_options, option, read_config_file
 from jaxserve.errors import ConfigError
 
 # RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
@@ -46,6 +46,13 @@ class ServerConfig:
     metrics_port: int | None = option(9090, "Prometheus text format over HTTP (null: off).", _PORT)
     http_port: int | None = option(
         8000, "OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions...) on server.host (null: off).", _PORT
+    )
+    http_keep_alive_seconds: float = option(
+        75.0,
+        "An idle HTTP connection stays open this long. Above the idle times of common clients (httpx and "
+        "the openai client: 5 s) and load balancers (60 s): a server that closes first can race a request "
+        'sent on the closing connection ("connection reset").',
+        above(0, "a number of seconds"),
     )
     max_waiting_requests: int = option(256, "Beyond this, new requests get RESOURCE_EXHAUSTED.", at_least(1))
     drain_grace_seconds: float = option(

@@ -224,6 +224,7 @@ class Server:
             lifespan="off",
             ws="none",  # no websockets: their protocol modules' import is start-up time for nothing
             timeout_graceful_shutdown=2,
+            timeout_keep_alive=cfg.http_keep_alive_seconds,
             access_log=False,
             **tls,
         )
