@@ -53,7 +53,6 @@ def test_the_rust_stream_gives_the_python_windows_deltas(tok, prompt, ids, skip)
         assert deltas == reference
     else:  # the stream refused one: the text still adds up
         assert "".join(deltas) == "".join(reference)
-    assert detok.text == "".join(deltas)
 
 
 def test_a_context_ending_inside_a_character_hands_over_to_rust_after_a_delta(tok):

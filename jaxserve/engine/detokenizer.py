@@ -47,7 +47,6 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids or [])[-CONTEXT_TOKENS:]  # a little context for spacing
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
         self._rust = _rust_decoder(tokenizer)
         self._stream = None
         self._stream_at(self.ids)
@@ -77,7 +76,6 @@ class IncrementalDetokenizer:
             else:
                 if delta:
                     self.read_offset = len(self.ids)  # (the Python window's start, should it take over)
-                    self.text += delta
                 return delta or ""
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset :])
@@ -85,7 +83,6 @@ class IncrementalDetokenizer:
             delta = new_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
-            self.text += delta
             self._stream_at(self.ids[self.prefix_offset :])
             return delta
         return ""
