@@ -108,9 +108,25 @@ def test_a_tokenizer_with_its_own_decoding_keeps_the_python_window(tok):
         assert IncrementalDetokenizer(tok)._stream is None
     finally:
         tok.__class__ = real
-    tok.clean_up_tokenization_spaces = True  # decode's post-processing: the Python window
+    assert IncrementalDetokenizer(tok)._stream is not None
+
+
+def test_the_text_is_the_tokens_text_whatever_space_clean_up_the_config_asks(tok):
+    """transformers' space clean-up (" ," -> ","; a config may ask for it, and may force it
+    on a BPE vocabulary, which transformers otherwise spares) is never applied: on a
+    window it lost the comma whose space was already out (" It isn't here  is it"). So the
+    Rust stream serves such tokenizers too, with the same deltas as the Python window."""
+    text = " It is n't here , is it ? I 'm sure . Yes !"
+    ids = tok.encode(text, add_special_tokens=False)
+    prompt = tok.encode("Prompt:", add_special_tokens=False)
     try:
-        assert IncrementalDetokenizer(tok)._stream is None
+        tok.clean_up_tokenization_spaces = True
+        tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+        assert tok.decode(ids) == " It isn't here, is it? I'm sure. Yes!"  # (decode does clean up)
+        detok = IncrementalDetokenizer(tok, prompt)
+        assert detok._stream is not None
+        deltas = [detok.add(t) for t in ids]
+        assert deltas == _python_only(tok, prompt, ids) and "".join(deltas) == text
     finally:
         tok.clean_up_tokenization_spaces = False
-    assert IncrementalDetokenizer(tok)._stream is not None
+        tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = False

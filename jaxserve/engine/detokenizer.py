@@ -21,8 +21,9 @@ CONTEXT_TOKENS = 6  # prompt tokens decoded before the first output token: its l
 
 
 def _rust_decoder(tokenizer):
-    """The ``tokenizers.Tokenizer`` whose ``decode`` is ``tokenizer.decode``'s whole work,
-    or None (a Python tokenizer, a subclass with its own decoding, space clean-up on)."""
+    """The ``tokenizers.Tokenizer`` whose ``decode`` is ``tokenizer.decode``'s whole work
+    (space clean-up off, as ``_decode`` asks), or None (a Python tokenizer, a subclass with
+    its own decoding)."""
     try:
         from tokenizers import Tokenizer
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -34,7 +35,6 @@ def _rust_decoder(tokenizer):
         isinstance(rust, Tokenizer)
         and type(tokenizer).decode is PreTrainedTokenizerBase.decode
         and type(tokenizer)._decode is TokenizersBackend._decode
-        and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
     ):
         return rust
     return None
@@ -62,7 +62,13 @@ class IncrementalDetokenizer:
             self._stream = DecodeStream(ids=window, skip_special_tokens=self.skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        # Never transformers' space clean-up (" ," -> ","), which a config may ask for: on a
+        # window it loses text (a space emitted before its comma arrives, then the comma
+        # that cleans it away), and on a BPE vocabulary it removes spaces the model wrote
+        # (transformers skips it there). The text is the tokens' text, as vLLM streams it.
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def add(self, token_id: int) -> str:
         """Appends one token; returns the newly completed text (possibly empty)."""
