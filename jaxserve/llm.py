@@ -186,9 +186,9 @@ class LLM:
             request = self.engine.add_request(encoded[0], params)
             sent = 0
             for _ in self._steps([request]):
-                if len(request.output_text) > sent:
-                    yield request.output_text[sent:]
-                    sent = len(request.output_text)
+                if len(request.output_chunks) > sent:
+                    yield "".join(request.output_chunks[sent:])
+                    sent = len(request.output_chunks)
 
     def pin(self, prompt: Prompt, ttl_s: float = 60.0) -> PinnedPrefix:
         """Computes ``prompt`` (what of it is not cached) as a prefill-only request and pins

@@ -128,7 +128,7 @@ class Submission:
     tokens: int = 0  # prompt + max_tokens: its share of the client's token limit
     request: Request | None = None
     sent_tokens: int = 0
-    sent_text: int = 0
+    sent_chunks: int = 0  # of request.output_chunks
     submitted_at: float = 0.0
 
     def push(self, delta: Delta) -> None:
@@ -342,12 +342,12 @@ class EngineThread:
         delta = Delta(
             request_id,
             r.token_ids[r.num_prompt_tokens + n0 :],
-            r.output_text[stream.sent_text :],
+            "".join(r.output_chunks[stream.sent_chunks :]),
             list(r.output_logprobs[n0:]) if r.params.logprobs is not None else [],
             list(r.output_top_logprobs[n0:]) if r.params.logprobs is not None else [],
         )
         stream.sent_tokens = r.num_output_tokens
-        stream.sent_text = len(r.output_text)
+        stream.sent_chunks = len(r.output_chunks)
         if r.status.is_finished:
             delta.finish_reason = r.finish_reason
             delta.stop_reason = r.stop_reason

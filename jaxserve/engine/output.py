@@ -92,10 +92,11 @@ class OutputStage:
             hits = [(buf.find(s), s) for s in params.stop if s in buf]
             if hits:
                 at, stop = min(hits)
-                request.output_text += buf[: at + len(stop)] if params.include_stop_str_in_output else buf[:at]
+                request.output_chunks.append(buf[: at + len(stop)] if params.include_stop_str_in_output else buf[:at])
                 self.scheduler.stop(request, stop)
                 return
             if not request.status.is_finished:
                 keep = held_back(buf, params.stop)
                 buf, state.held = buf[: len(buf) - keep], buf[len(buf) - keep :]
-        request.output_text += buf
+        if buf:
+            request.output_chunks.append(buf)

@@ -18,7 +18,7 @@ Status: WAITING -> RUNNING -> FINISHED_*; RUNNING -> PREEMPTED (pages freed, com
 reset to 0) -> RUNNING again, recomputing prompt + output so far.
 
 The scheduler writes status and tokens, the KV manager ``pages``, ``num_computed_tokens``
-and the cache fields, the output stage ``output_text`` and the logprob lists.
+and the cache fields, the output stage ``output_chunks`` and the logprob lists.
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at admission
     cache_node: object = None  # the radix node this request holds locked (prefix cache)
     arrival: int = 0  # scheduler step at which it arrived (lpm aging)
-    output_text: str = ""  # text emitted so far (never a partial character or a possible stop)
+    # Text emitted so far (never a partial character or a possible stop), in the pieces it
+    # came in: appending to one string copies it whole, ~15 us a token at 128 KB of output.
+    output_chunks: list[str] = dataclasses.field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_pending: int = 0  # tokens a step in flight will give it (0 or 1; overlap scheduling)
     client: str = ""  # who asked (server: identity or peer); fair admission shares slots by it
@@ -87,6 +89,10 @@ class Request:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_text(self) -> str:
+        return "".join(self.output_chunks)
 
     @property
     def output_token_ids(self) -> list[int]:
