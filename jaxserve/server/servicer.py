@@ -37,8 +37,9 @@ FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abo
 
 
 def _fill(msg, delta: Delta) -> None:
+    """Adds ``delta`` to ``msg``, but for its text (which the caller sets: adding a piece to
+    a message's text copies the text so far, each step of a long unary answer)."""
     msg.token_ids.extend(delta.token_ids)
-    msg.text += delta.text
     msg.logprobs.extend(delta.logprobs)
     for top in delta.top_logprobs:
         msg.top_logprobs.add().entries.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top)
@@ -153,15 +154,19 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     async def StreamGenerate(self, request, context):
         request_id, queues = await self._start(request, context)
         async for i, delta in self._deltas(request_id, queues, context):
-            msg = pb.GenerateStreamResponse(request_id=request_id, index=i)
+            msg = pb.GenerateStreamResponse(request_id=request_id, index=i, text=delta.text)
             _fill(msg, delta)
             yield msg
 
     async def Generate(self, request, context):
         request_id, queues = await self._start(request, context)
         samples = [pb.GenerateResponse(request_id=request_id) for _ in queues]
+        texts: list[list[str]] = [[] for _ in queues]
         async for i, delta in self._deltas(request_id, queues, context):
             _fill(samples[i], delta)
+            texts[i].append(delta.text)
+        for sample, pieces in zip(samples, texts, strict=True):
+            sample.text = "".join(pieces)
         msg = samples[0]
         if len(samples) > 1:
             msg.samples.extend(samples)
