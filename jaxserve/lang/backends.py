@@ -222,12 +222,13 @@ class Endpoint(Backend):
                 msg = call.result()
                 ids, text, last = list(msg.token_ids), msg.text, msg
             else:
-                ids, text = [], ""
+                ids, pieces = [], []  # joined once: adding each piece copies the text so far
                 for last in call:
                     ids += last.token_ids
-                    text += last.text
+                    pieces.append(last.text)
                     if last.text:
                         self._emit(handle, on_text, last.text)
+                text = "".join(pieces)
         except grpc.RpcError as e:
             raise ProgramError(f"the server refused the call: {e.code().name}: {e.details()}") from None
         finish = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}.get(last.finish_reason, "abort")
