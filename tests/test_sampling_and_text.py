@@ -25,6 +25,7 @@ from jaxserve.runner.sampler import (
     masked,
     penalize,
 )
+from jaxserve.runner.step import TokenHistory
 from tests.conftest import rng_tokens
 
 
@@ -180,6 +181,33 @@ def test_token_history_goes_to_the_device_only_with_penalties(tiny):
     plain = bytes_per_step()
     assert plain < history
     assert bytes_per_step(presence_penalty=0.5) >= plain + history
+
+
+def test_a_penalised_requests_ids_are_taken_from_its_list_once(tiny):
+    """A penalised row's history is its request's ids so far (the penalty test above checks
+    what they do), kept from step to step and grown by the new ids: each id is taken from
+    the Python list once, not the whole list every step (~130 us a row at 4,000 tokens)."""
+    llm, hf = tiny
+    prompt = rng_tokens(40, hf.config.vocab_size, seed=16)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    request = llm.engine.add_request(prompt, params)
+    llm.engine.step()
+    history = request.history
+    assert list(history.of(request.token_ids)) == request.token_ids
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        llm.scheduler.check_integrity()
+    assert request.history is history and history.converted <= len(request.token_ids)
+    assert request.output_token_ids == llm.generate([prompt], params)[0].token_ids
+
+
+def test_token_history_grows_as_its_list_does():
+    rng = np.random.RandomState(0)
+    history, ids = TokenHistory(), []
+    for step in range(100):  # past the first capacity (256) and its doublings
+        ids += rng.randint(0, 1000, rng.choice([0, 1, 1, 1, 40])).tolist()
+        assert history.of(ids).tolist() == ids, step
+    assert len(ids) > 512 and history.converted == len(ids)
 
 
 def test_penalties_match_a_numpy_reference():

@@ -38,7 +38,7 @@ from jaxserve.errors import JaxServeError, RequestError, check_prompt_ids, check
 from jaxserve.runner import compile_counter
 from jaxserve.runner.batch import ScheduledSeq
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.runner.step import SeqSampling
+from jaxserve.runner.step import SeqSampling, TokenHistory
 from jaxserve.sampling_params import SamplingParams
 
 MAX_PIN_S = 3600.0  # the longest lease one request may ask for
@@ -227,8 +227,11 @@ class Engine:
     def _sampling(self, request: Request) -> SeqSampling:
         params = request.params
         blocked = tuple(sorted(request.stop_token_ids)) if request.num_sampled < params.min_tokens else ()
-        if params.has_penalties:  # the request's own list: the runner copies it into the step's input
-            return SeqSampling(params, request.seed, request.token_ids, request.num_prompt_tokens, blocked)
+        if params.has_penalties:  # its ids so far; the runner copies them into the step's input
+            if request.history is None:
+                request.history = TokenHistory()
+            history = request.history.of(request.token_ids)
+            return SeqSampling(params, request.seed, history, request.num_prompt_tokens, blocked)
         return SeqSampling(params, request.seed, blocked_ids=blocked)
 
     def step(self) -> tuple[list[Request], list[Request]]:

@@ -77,6 +77,9 @@ class Request:
     # Structured output: the grammar state (engine/structured.py's Constraint), advanced
     # by every sampled token; None when unconstrained.
     constraint: Any = None
+    # Penalties: token_ids as the step's input takes them (runner/step.py's TokenHistory),
+    # grown each step by the new ids; None until the request's first penalised step.
+    history: Any = None
     num_prompt_tokens: int = dataclasses.field(init=False)  # len(token_ids) as given
 
     def __post_init__(self):
