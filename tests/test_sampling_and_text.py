@@ -343,6 +343,7 @@ def test_stop_string_split_across_tokens(scripted, include):
     assert [r.finish_reason for r in reqs] == ["stop", "stop", "stop"]
     for r, d in zip(reqs, deltas, strict=True):
         assert "".join(d) == r.output_text
+        assert all(r.output_chunks)  # no empty piece for a reader (LLM.stream) to hand out
         if not include:  # a prefix of the stop string was never emitted, then taken back
             assert all("STOP" not in x for x in d)
 

@@ -92,11 +92,10 @@ class OutputStage:
             hits = [(buf.find(s), s) for s in params.stop if s in buf]
             if hits:
                 at, stop = min(hits)
-                request.output_chunks.append(buf[: at + len(stop)] if params.include_stop_str_in_output else buf[:at])
+                buf = buf[: at + len(stop)] if params.include_stop_str_in_output else buf[:at]
                 self.scheduler.stop(request, stop)
-                return
-            if not request.status.is_finished:
+            elif not request.status.is_finished:
                 keep = held_back(buf, params.stop)
                 buf, state.held = buf[: len(buf) - keep], buf[len(buf) - keep :]
-        if buf:
+        if buf:  # (an empty piece would be handed out by LLM.stream)
             request.output_chunks.append(buf)
