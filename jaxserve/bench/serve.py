@@ -117,8 +117,9 @@ class OpenAITarget:
         self._errors = (aiohttp.ClientError, asyncio.TimeoutError, ValueError)
         self._timeout = aiohttp.ClientTimeout
         # limit=0: as many connections as requests in flight, each kept for the next request
-        # while idle under 3 s: uvicorn (jaxserve's, vLLM's, SGLang's HTTP servers) closes
-        # one idle for 5 s, and a request sent on it as it closes fails ("connection reset").
+        # while idle under 3 s: uvicorn's default (vLLM's and SGLang's HTTP servers) closes
+        # one idle for 5 s, and a request sent on it as it closes fails ("connection reset");
+        # jaxserve's keeps one server.http_keep_alive_seconds (75 s).
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
         self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout())
         if self.model is None:  # the server's first (usually only) model
