@@ -210,23 +210,32 @@ def test_token_history_grows_as_its_list_does():
     assert len(ids) > 512 and history.converted == len(ids)
 
 
-def test_penalties_match_a_numpy_reference():
+@pytest.mark.parametrize("h", [9, 40_000])
+def test_penalties_match_a_numpy_reference(h):
+    """Penalties, logit_bias (the last token's id among them; -1 padding) and min_tokens'
+    block against numpy. A history of 2^15 entries or more counts in int32: there a token
+    seen 35,000 times in the output is penalised 35,000 times (int16 counts would wrap)."""
     rng = np.random.RandomState(0)
-    s, vocab, h = 3, 11, 9
+    s, vocab = 3, 11
     logits = rng.randn(s, vocab).astype(np.float32)
+    logits[1, 10] = -0.0  # untouched: keeps its sign (padding -1 must not reach the last id)
     hist = np.full((s, h), -1, np.int32)
     hist[0, :6] = [1, 2, 2, 5, 5, 5]
     hist[1, :4] = [3, 3, 4, 4]
-    num_prompt = np.array([2, 1, 0], np.int32)
+    if h > 2**15:
+        hist[2, :35_001] = [6] + [9] * 35_000
+    num_prompt = np.array([2, 1, 1], np.int32)
     rep, pres, freq = (
         np.array([1.3, 0.7, 1.0], np.float32),
         np.array([0.5, 0.0, 0.2], np.float32),
-        np.array([0.1, 0.4, 0.0], np.float32),
+        np.array([0.1, 0.4, 1e-4], np.float32),
     )
     blocked = np.full((s, MAX_BLOCKED), -1, np.int32)
     blocked[2, :2] = [7, 8]
-    no_bias = np.full((s, 300), -1, np.int32), np.zeros((s, 300), np.float32)
-    pmd = PenaltyMetadata(rep, pres, freq, hist, num_prompt, np.full(s, -1, np.int32), *no_bias)
+    bias_ids, bias_values = np.full((s, 300), -1, np.int32), np.zeros((s, 300), np.float32)
+    bias_ids[0, :2], bias_values[0, :2] = [10, 2], [3.5, -1.25]
+    bias_ids[2, 3], bias_values[2, 3] = 0, 2.0  # after padding
+    pmd = PenaltyMetadata(rep, pres, freq, hist, num_prompt, np.full(s, -1, np.int32), bias_ids, bias_values)
     got = np.asarray(masked(penalize(logits, pmd), kept_words(blocked, None, vocab)))
     want = logits.copy()
     for i in range(s):
@@ -236,8 +245,11 @@ def test_penalties_match_a_numpy_reference():
             want[i, t] = want[i, t] / rep[i] if want[i, t] > 0 else want[i, t] * rep[i]
         for t in set(out):
             want[i, t] -= freq[i] * out.count(t) + pres[i]
+        for t, b in zip(bias_ids[i], bias_values[i], strict=True):
+            want[i, t] += b if t >= 0 else 0.0
     want[2, [7, 8]] = -np.inf
     np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert np.signbit(got[1, 10])
 
 
 def test_the_mask_keeps_what_the_bitmask_allows_less_the_blocked_ids():

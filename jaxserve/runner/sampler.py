@@ -79,30 +79,38 @@ class SamplerOutput:
     top_logprobs: jax.Array  # [S, MAX_LOGPROBS] float32
 
 
-def _counts(ids: jax.Array, keep: jax.Array, vocab: int) -> jax.Array:
-    """Per-row occurrence counts [S, V] of ``ids`` [S, H] where ``keep``."""
-    rows = jnp.arange(ids.shape[0])[:, None]
-    ids = jnp.where(keep & (ids >= 0), ids, vocab)  # dropped entries land in a spare column
-    return jnp.zeros((ids.shape[0], vocab + 1), jnp.int32).at[rows, ids].add(1)[:, :vocab]
-
-
 def penalize(logits: jax.Array, pmd: PenaltyMetadata) -> jax.Array:
     """Repetition (prompt + output), frequency and presence (output) penalties, then
-    logit_bias."""
-    vocab = logits.shape[1]
+    logit_bias.
+
+    The occurrence counts come from one scatter of one index per history entry into a
+    [S, V + 1, 2] buffer, each entry adding (1, is output) (-1 padding lands in the spare
+    column): [..., 0] counts every occurrence (repetition), [..., 1] the output's
+    (frequency, presence). int16 where the history is shorter than 2^15 (no count can
+    wrap), else int32. The bias is added into the logits in place, a row's ids being
+    distinct (SamplingParams checks). Where each count had a zeroed int32 [S, V + 1]
+    buffer, a scatter and an index array of its own (XLA copying the shared zeros for
+    each), and the bias another zeroed buffer added whole, the penalised sampler of 32
+    rows (SmolLM2's vocabulary, max_model_len 8192) took 2.8-4.2 ms against 1.6-1.7 now
+    (unpenalised: 0.3-0.5 ms; 2-core Zen 4). The values are the same; a logit that no bias
+    touches keeps its bits (the whole-buffer add of 0.0 had turned -0.0 into +0.0). On a
+    TPU the pair dimension goes major (two [S, V + 1] int16 planes), no padding."""
+    s, vocab = logits.shape
     hist = pmd.token_history
     is_output = jnp.arange(hist.shape[1])[None, :] >= pmd.num_prompt_tokens[:, None]
-    seen = _counts(hist, jnp.ones_like(is_output), vocab) > 0
-    out_counts = _counts(hist, is_output, vocab).astype(logits.dtype)
+    count = jnp.int16 if hist.shape[1] < 2**15 else jnp.int32
+    rows = jnp.arange(s)[:, None]
+    ids = jnp.where(hist >= 0, hist, vocab)
+    ones = jnp.stack([jnp.ones_like(is_output, count), is_output.astype(count)], axis=-1)
+    counts = jnp.zeros((s, vocab + 1, 2), count).at[rows, ids].add(ones)[:, :vocab]
+    seen, out_counts = counts[..., 0] > 0, counts[..., 1]
     rp = pmd.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
-    logits = logits - pmd.frequency_penalty[:, None] * out_counts
+    logits = logits - pmd.frequency_penalty[:, None] * out_counts.astype(logits.dtype)
     logits = logits - pmd.presence_penalty[:, None] * (out_counts > 0)
-    # logit_bias: padding (-1) lands in a spare column
-    rows = jnp.arange(logits.shape[0])[:, None]
-    ids = jnp.where(pmd.bias_ids >= 0, pmd.bias_ids, vocab)
-    bias = jnp.zeros((logits.shape[0], vocab + 1), logits.dtype).at[rows, ids].add(pmd.bias_values)
-    return logits + bias[:, :vocab]
+    # logit_bias: padding (-1) sent out of range, dropped (a negative index would wrap)
+    bias_ids = jnp.where(pmd.bias_ids >= 0, pmd.bias_ids, vocab)
+    return logits.at[rows, bias_ids].add(pmd.bias_values, mode="drop")
 
 
 def kept_words(blocked_ids: jax.Array, allowed: jax.Array | None, vocab: int) -> jax.Array:
