@@ -22,8 +22,10 @@ from jaxserve.runner.sampler import (
     SamplerOutput,
     argmax,
     kept_words,
+    log_normalizer,
     masked,
     penalize,
+    top_logprobs,
 )
 from jaxserve.runner.step import TokenHistory
 from tests.conftest import rng_tokens
@@ -250,6 +252,36 @@ def test_penalties_match_a_numpy_reference(h):
     want[2, [7, 8]] = -np.inf
     np.testing.assert_allclose(got, want, rtol=1e-6)
     assert np.signbit(got[1, 10])
+
+
+@pytest.mark.parametrize("vocab", [40, 320, 50257])
+def test_top_logprobs_are_top_k_of_the_log_softmax_bit_for_bit(vocab):
+    """The two-level top-k of the logprobs (and ``log_normalizer``'s value at any id)
+    against ``jax.lax.top_k(jax.nn.log_softmax(x))``: the same bits and ids, ties to the
+    lower id, with many ties (rounded logits, a constant row, ties across blocks), NaN,
+    +-inf, a vocabulary that is not whole blocks (50257) or fewer than k blocks (40, 320)."""
+    rng = np.random.default_rng(vocab)
+    x = (3 * rng.standard_normal((9, vocab))).astype(np.float32)
+    x[1] = np.round(x[1])
+    x[2] = 1.5
+    x[3, 1::128] = 9.0  # the row's largest value once in every block
+    x[4] = np.nan
+    x[5, 5] = np.nan
+    x[6] = -np.inf
+    x[6, vocab // 2] = 0.0
+    x[7, :3] = np.inf
+    x[8] = np.round(x[8] * 4) / 4
+    lp = jax.jit(jax.nn.log_softmax)(x)
+    m, lse = jax.jit(log_normalizer)(x)  # jitted as in the step: the sums then run alike
+    for k in (1, 5, MAX_LOGPROBS):
+        want_values, want_ids = jax.lax.top_k(lp, k)
+        values, ids = jax.jit(top_logprobs, static_argnums=3)(x, m, lse, k)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids), err_msg=f"k={k}")
+        assert np.array_equal(np.asarray(values).view(np.int32), np.asarray(want_values).view(np.int32)), k
+    at = rng.integers(0, vocab, 9)
+    got = (np.take_along_axis(x, at[:, None], axis=1) - np.asarray(m))[:, 0] - np.asarray(lse)[:, 0]
+    want = np.take_along_axis(np.asarray(lp), at[:, None], axis=1)[:, 0]
+    assert np.array_equal(got.view(np.int32), want.view(np.int32))
 
 
 def test_the_mask_keeps_what_the_bitmask_allows_less_the_blocked_ids():

@@ -158,6 +158,35 @@ def argmax(x: jax.Array) -> jax.Array:
     return (first * b + jnp.argmax(block, axis=-1)).astype(jnp.int32)
 
 
+def log_normalizer(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row of [R, V], (max, log of the sum of exp(x - max)), both [R, 1]:
+    ``jax.nn.log_softmax``'s two reductions, so that ``(x - max) - lse`` is its value at x
+    (bit for bit where XLA compiles the sums alike, as in one jit), taken only where it is
+    wanted instead of writing the [R, V] log-softmax out."""
+    m = jnp.max(x, axis=1, initial=-jnp.inf, keepdims=True)
+    return m, jnp.log(jnp.sum(jnp.exp(x - m), axis=1, keepdims=True))
+
+
+def top_logprobs(x: jax.Array, m: jax.Array, lse: jax.Array, k: int, b: int = 128) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k(jax.nn.log_softmax(x), k)`` (values [R, k], ids [R, k] int32), ties
+    included (the lower id first), from ``log_normalizer``'s (m, lse), in two
+    levels: the k blocks of ``b`` tokens with the largest logprobs hold every one of the top
+    k (a token outside them has k blocks' maxima at or above it, the tie going to the lower
+    block), so the top k are taken among those blocks' tokens, in id order. On XLA:CPU a
+    flat top-k over [32, 49152] took 2.4 ms, the log-softmax written out 1.0 ms more; this,
+    normalizer included, 1.5 ms (prompt scoring's [512, 49152]: 126 -> 77 ms, the normalizer
+    ~66 of it). Padding to whole blocks is -inf, after every real id."""
+    r, vocab = x.shape
+    blocks = jnp.pad(x, ((0, 0), (0, -vocab % b)), constant_values=-jnp.inf).reshape(r, -1, b)
+    kb = min(k, blocks.shape[1])
+    _, chosen = jax.lax.top_k((blocks.max(axis=2) - m) - lse, kb)
+    chosen = jnp.sort(chosen, axis=1)  # in id order, so top_k's ties still go to the lower id
+    values, at = jax.lax.top_k(
+        (jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(r, kb * b) - m) - lse, k
+    )
+    return values, (jnp.take_along_axis(chosen, at // b, axis=1) * b + at % b).astype(jnp.int32)
+
+
 MAX_ROUNDS = 64  # draws per row and step before the filtered set's top token is taken
 
 
@@ -310,17 +339,17 @@ def sample(
     s = raw.shape[0]
 
     def with_logprobs(raw):
-        logprobs = jax.nn.log_softmax(raw, axis=-1)
-        sampled = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+        m, lse = log_normalizer(raw)
+        sampled = (jnp.take_along_axis(raw, tokens[:, None], axis=-1) - m)[:, 0] - lse[:, 0]
 
-        def top(lp):
-            values, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
-            return ids.astype(jnp.int32), values
+        def top(raw):
+            values, ids = top_logprobs(raw, m, lse, MAX_LOGPROBS)
+            return ids, values
 
-        def no_top(lp):
-            return jnp.zeros((s, MAX_LOGPROBS), jnp.int32), jnp.zeros((s, MAX_LOGPROBS), lp.dtype)
+        def no_top(raw):
+            return jnp.zeros((s, MAX_LOGPROBS), jnp.int32), jnp.zeros((s, MAX_LOGPROBS), raw.dtype)
 
-        return sampled, *jax.lax.cond(jnp.any(md.num_logprobs > 0), top, no_top, logprobs)
+        return sampled, *jax.lax.cond(jnp.any(md.num_logprobs > 0), top, no_top, raw)
 
     def without(raw):  # nobody asked: no log-softmax over [S, V] (~1.2 ms at 32 rows on CPU)
         return (
@@ -329,5 +358,5 @@ def sample(
             jnp.zeros((s, MAX_LOGPROBS), raw.dtype),
         )
 
-    sampled, top_ids, top_logprobs = jax.lax.cond(jnp.any(md.num_logprobs >= 0), with_logprobs, without, raw)
-    return SamplerOutput(tokens, sampled, top_ids, top_logprobs)
+    sampled, top_ids, top_lp = jax.lax.cond(jnp.any(md.num_logprobs >= 0), with_logprobs, without, raw)
+    return SamplerOutput(tokens, sampled, top_ids, top_lp)

@@ -30,7 +30,9 @@ from jaxserve.runner.sampler import (
     PenaltyMetadata,
     SamplingMetadata,
     feed_history,
+    log_normalizer,
     sample,
+    top_logprobs,
 )
 from jaxserve.sampling_params import SamplingParams
 
@@ -273,10 +275,10 @@ def make_scored_forward(graphdef, backend: AttentionBackend):
             md, logits_indices=jnp.arange(md.input_ids.shape[0], dtype=jnp.int32), num_logits=md.query_start_loc[-1]
         )
         kv_cache, logits = forward(state, kv_cache, every_row, feed_rows, feed_tokens)
-        logprobs = jax.nn.log_softmax(logits, axis=-1)
-        target = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
-        top_lp, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-        return kv_cache, logits[md.logits_indices], (target, top_ids.astype(jnp.int32), top_lp)
+        m, lse = log_normalizer(logits)
+        target = (jnp.take_along_axis(logits, targets[:, None], axis=-1) - m)[:, 0] - lse[:, 0]
+        top_lp, top_ids = top_logprobs(logits, m, lse, MAX_LOGPROBS)
+        return kv_cache, logits[md.logits_indices], (target, top_ids, top_lp)
 
     return scored
 
