@@ -22,10 +22,9 @@ from jaxserve.runner.sampler import (
     SamplerOutput,
     argmax,
     kept_words,
-    log_normalizer,
+    logprobs,
     masked,
     penalize,
-    top_logprobs,
 )
 from jaxserve.runner.step import TokenHistory
 from tests.conftest import rng_tokens
@@ -254,34 +253,33 @@ def test_penalties_match_a_numpy_reference(h):
     assert np.signbit(got[1, 10])
 
 
-@pytest.mark.parametrize("vocab", [40, 320, 50257])
-def test_top_logprobs_are_top_k_of_the_log_softmax_bit_for_bit(vocab):
-    """The two-level top-k of the logprobs (and ``log_normalizer``'s value at any id)
-    against ``jax.lax.top_k(jax.nn.log_softmax(x))``: the same bits and ids, ties to the
-    lower id, with many ties (rounded logits, a constant row, ties across blocks), NaN,
-    +-inf, a vocabulary that is not whole blocks (50257) or fewer than k blocks (40, 320)."""
-    rng = np.random.default_rng(vocab)
-    x = (3 * rng.standard_normal((9, vocab))).astype(np.float32)
+@pytest.mark.parametrize("vocab, rows", [(40, 9), (320, 64), (50257, 9), (50257, 64)])
+def test_logprobs_are_the_log_softmax_and_its_top_k_bit_for_bit(vocab, rows):
+    """``logprobs`` (the value at an id, the two-level top-k) against ``jax.nn.log_softmax``
+    and ``jax.lax.top_k`` over it: the same bits and ids, ties to the lower id, with many
+    ties (rounded logits, a constant row, the largest value once in every block), NaN,
+    +-inf, a vocabulary that is not whole blocks (50257) or fewer blocks than k (40, 320),
+    and 64 rows (two chunks of LOGPROB_ROWS)."""
+    rng = np.random.default_rng(vocab + rows)
+    x = (3 * rng.standard_normal((rows, vocab))).astype(np.float32)
     x[1] = np.round(x[1])
     x[2] = 1.5
-    x[3, 1::128] = 9.0  # the row's largest value once in every block
+    x[3, 1::128] = 9.0
     x[4] = np.nan
     x[5, 5] = np.nan
     x[6] = -np.inf
     x[6, vocab // 2] = 0.0
     x[7, :3] = np.inf
     x[8] = np.round(x[8] * 4) / 4
-    lp = jax.jit(jax.nn.log_softmax)(x)
-    m, lse = jax.jit(log_normalizer)(x)  # jitted as in the step: the sums then run alike
-    for k in (1, 5, MAX_LOGPROBS):
-        want_values, want_ids = jax.lax.top_k(lp, k)
-        values, ids = jax.jit(top_logprobs, static_argnums=3)(x, m, lse, k)
+    at = rng.integers(0, vocab, rows).astype(np.int32)
+    lp = jax.jit(jax.nn.log_softmax)(x)  # jitted as in the step: the sums then run alike
+    want_at = np.take_along_axis(np.asarray(lp), at[:, None], axis=1)[:, 0]
+    for k in (0, 1, 5, MAX_LOGPROBS):
+        got_at, ids, values = jax.jit(logprobs, static_argnums=2)(x, at, k)
+        assert np.array_equal(np.asarray(got_at).view(np.int32), want_at.view(np.int32)), k
+        want_values, want_ids = jax.lax.top_k(lp, k) if k else (np.zeros((rows, 0)), np.zeros((rows, 0)))
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids), err_msg=f"k={k}")
-        assert np.array_equal(np.asarray(values).view(np.int32), np.asarray(want_values).view(np.int32)), k
-    at = rng.integers(0, vocab, 9)
-    got = (np.take_along_axis(x, at[:, None], axis=1) - np.asarray(m))[:, 0] - np.asarray(lse)[:, 0]
-    want = np.take_along_axis(np.asarray(lp), at[:, None], axis=1)[:, 0]
-    assert np.array_equal(got.view(np.int32), want.view(np.int32))
+        assert np.array_equal(np.asarray(values).view(np.int32), np.asarray(want_values, np.float32).view(np.int32)), k
 
 
 def test_the_mask_keeps_what_the_bitmask_allows_less_the_blocked_ids():

@@ -30,9 +30,8 @@ from jaxserve.runner.sampler import (
     PenaltyMetadata,
     SamplingMetadata,
     feed_history,
-    log_normalizer,
+    logprobs,
     sample,
-    top_logprobs,
 )
 from jaxserve.sampling_params import SamplingParams
 
@@ -275,9 +274,7 @@ def make_scored_forward(graphdef, backend: AttentionBackend):
             md, logits_indices=jnp.arange(md.input_ids.shape[0], dtype=jnp.int32), num_logits=md.query_start_loc[-1]
         )
         kv_cache, logits = forward(state, kv_cache, every_row, feed_rows, feed_tokens)
-        m, lse = log_normalizer(logits)
-        target = (jnp.take_along_axis(logits, targets[:, None], axis=-1) - m)[:, 0] - lse[:, 0]
-        top_lp, top_ids = top_logprobs(logits, m, lse, MAX_LOGPROBS)
+        target, top_ids, top_lp = logprobs(logits, targets, MAX_LOGPROBS)
         return kv_cache, logits[md.logits_indices], (target, top_ids, top_lp)
 
     return scored
