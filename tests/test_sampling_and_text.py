@@ -16,6 +16,7 @@ from jaxserve.engine.output import held_back
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.errors import RequestError
 from jaxserve.runner.sampler import (
+    LOGPROB_ROWS,
     MAX_BLOCKED,
     MAX_LOGPROBS,
     PenaltyMetadata,
@@ -259,7 +260,7 @@ def test_logprobs_are_the_log_softmax_and_its_top_k_bit_for_bit(vocab, rows):
     and ``jax.lax.top_k`` over it: the same bits and ids, ties to the lower id, with many
     ties (rounded logits, a constant row, the largest value once in every block), NaN,
     +-inf, a vocabulary that is not whole blocks (50257) or fewer blocks than k (40, 320),
-    and 64 rows (two chunks of LOGPROB_ROWS)."""
+    and 64 rows (two chunks of LOGPROB_ROWS, as on a CPU)."""
     rng = np.random.default_rng(vocab + rows)
     x = (3 * rng.standard_normal((rows, vocab))).astype(np.float32)
     x[1] = np.round(x[1])
@@ -275,7 +276,7 @@ def test_logprobs_are_the_log_softmax_and_its_top_k_bit_for_bit(vocab, rows):
     lp = jax.jit(jax.nn.log_softmax)(x)  # jitted as in the step: the sums then run alike
     want_at = np.take_along_axis(np.asarray(lp), at[:, None], axis=1)[:, 0]
     for k in (0, 1, 5, MAX_LOGPROBS):
-        got_at, ids, values = jax.jit(logprobs, static_argnums=2)(x, at, k)
+        got_at, ids, values = jax.jit(logprobs, static_argnums=(2, 3))(x, at, k, LOGPROB_ROWS)
         assert np.array_equal(np.asarray(got_at).view(np.int32), want_at.view(np.int32)), k
         want_values, want_ids = jax.lax.top_k(lp, k) if k else (np.zeros((rows, 0)), np.zeros((rows, 0)))
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids), err_msg=f"k={k}")
