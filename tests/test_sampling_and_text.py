@@ -16,7 +16,7 @@ from jaxserve.engine.output import held_back
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.errors import RequestError
 from jaxserve.runner.sampler import (
-    LOGPROB_ROWS,
+    CPU_CHUNK_ROWS,
     MAX_BLOCKED,
     MAX_LOGPROBS,
     PenaltyMetadata,
@@ -260,7 +260,7 @@ def test_logprobs_are_the_log_softmax_and_its_top_k_bit_for_bit(vocab, rows):
     and ``jax.lax.top_k`` over it: the same bits and ids, ties to the lower id, with many
     ties (rounded logits, a constant row, the largest value once in every block), NaN,
     +-inf, a vocabulary that is not whole blocks (50257) or fewer blocks than k (40, 320),
-    and 64 rows (two chunks of LOGPROB_ROWS, as on a CPU)."""
+    and 64 rows (two chunks of CPU_CHUNK_ROWS, as on a CPU)."""
     rng = np.random.default_rng(vocab + rows)
     x = (3 * rng.standard_normal((rows, vocab))).astype(np.float32)
     x[1] = np.round(x[1])
@@ -276,7 +276,7 @@ def test_logprobs_are_the_log_softmax_and_its_top_k_bit_for_bit(vocab, rows):
     lp = jax.jit(jax.nn.log_softmax)(x)  # jitted as in the step: the sums then run alike
     want_at = np.take_along_axis(np.asarray(lp), at[:, None], axis=1)[:, 0]
     for k in (0, 1, 5, MAX_LOGPROBS):
-        got_at, ids, values = jax.jit(logprobs, static_argnums=(2, 3))(x, at, k, LOGPROB_ROWS)
+        got_at, ids, values = jax.jit(logprobs, static_argnums=(2, 3))(x, at, k, CPU_CHUNK_ROWS)
         assert np.array_equal(np.asarray(got_at).view(np.int32), want_at.view(np.int32)), k
         want_values, want_ids = jax.lax.top_k(lp, k) if k else (np.zeros((rows, 0)), np.zeros((rows, 0)))
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids), err_msg=f"k={k}")
@@ -494,6 +494,46 @@ def test_draws_follow_the_filtered_distribution():
         bad = np.flatnonzero(np.abs(counts - n * probs) > bound)
         assert not len(bad), (temperature, top_k, top_p, min_p, bad, counts[bad], n * probs[bad])
         assert np.all(counts[~keep] == 0)
+
+
+@pytest.mark.parametrize("penalties", [False, True])
+def test_the_sampler_by_row_chunks_gives_every_row_its_own_bits(penalties):
+    """A CPU's sampler runs by chunks of CPU_CHUNK_ROWS rows (``by_row_chunks``): 96 rows
+    of every kind (greedy, sampled with top-k / top-p / min-p, logprobs none / 0 / 5,
+    blocked stop ids, a structured-output bitmask, penalties and logit_bias) give the
+    tokens, logprobs and top ids of the whole-batch sampler, bit for bit."""
+    from jaxserve.runner.sampler import sample
+    from jaxserve.runner.step import SeqSampling, sampling_metadata
+
+    rng = np.random.default_rng(7)
+    rows, vocab = 3 * CPU_CHUNK_ROWS, 4099
+    logits = (3 * rng.standard_normal((rows, vocab))).astype(np.float32)
+    sampling = []
+    for i in range(rows):
+        kind = i % 4
+        params = SamplingParams(
+            temperature=[0.0, 1.0, 0.7, 1.3][kind],
+            top_k=[0, 0, 40, 5][kind],
+            top_p=[1.0, 0.9, 0.8, 1.0][kind],
+            min_p=[0.0, 0.0, 0.0, 0.05][kind],
+            logprobs=[None, 0, 5, None][i % 3],
+            repetition_penalty=1.2 if penalties and i % 5 else 1.0,
+            frequency_penalty=0.3 if penalties and i % 2 else 0.0,
+            logit_bias=((int(rng.integers(vocab)), 4.0),) if penalties and i % 7 == 0 else (),
+        )
+        history = rng.integers(0, vocab, 40).astype(np.int32) if penalties else None
+        blocked = (3, 9) if i % 6 == 1 else ()
+        sampling.append(SeqSampling(params, seed=1000 + i, history=history, num_prompt_tokens=25, blocked_ids=blocked))
+    smd, pmd = sampling_metadata(sampling, rows, np.full(rows, 40, np.int32), 64)
+    allowed = np.full((rows, (vocab + 31) // 32), -1, np.int32)
+    allowed[10, :20] = 0  # a constrained row: its first 640 tokens ruled out
+    whole = jax.jit(lambda *a: sample(*a))(logits, smd, pmd, allowed)
+    chunked = jax.jit(lambda *a: sample(*a, CPU_CHUNK_ROWS))(logits, smd, pmd, allowed)
+    for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+        a, b = np.asarray(getattr(whole, name)), np.asarray(getattr(chunked, name))
+        assert np.array_equal(a.view(np.int32), b.view(np.int32)), name
+    assert np.asarray(whole.tokens)[10] >= 640
+    assert len(set(np.asarray(whole.tokens).tolist())) > rows // 2  # the rows drew, not one fallback
 
 
 def test_n_samples_share_the_prompt(tiny_model_dir):

@@ -158,22 +158,36 @@ def argmax(x: jax.Array) -> jax.Array:
     return (first * b + jnp.argmax(block, axis=-1)).astype(jnp.int32)
 
 
-LOGPROB_ROWS = 32  # rows per chunk of ``logprobs`` on a CPU
+CPU_CHUNK_ROWS = 32  # rows per chunk of the passes over logits on a CPU (by_row_chunks)
+
+
+def by_row_chunks(fn, args, chunk: int | None):
+    """``fn(args)`` for pytrees of row-indexed arrays ([R, ...] leaves; None stays None),
+    computed ``chunk`` rows at a time (``lax.map``) where R is several chunks; ``fn`` must
+    treat its rows independently, as the sampler and the scores do, so the rows come out
+    bit for bit as from one call.
+
+    For a CPU (``CPU_CHUNK_ROWS``): each pass over a chunk's logits then reads what the pass
+    before left in the cache, where [R, V] float32 past a few MB went to memory at every
+    pass. On XLA:CPU (2-core Zen 4, SmolLM2's vocabulary): the max and log-sum-exp of [512,
+    V] 68 -> 18 ms; the sampler at 256 rows, temperature 1 49 -> 14 ms, with top-p 74 -> 25,
+    repetition penalty 77 -> 32, greedy with top-5 logprobs 38 -> 15, greedy alone 3.8 ->
+    3.3 (at 64 rows 0.6 -> 0.8: the loop's own cost; up to 32 rows nothing changes). Not
+    on accelerators: there the loop only adds temporaries (+158 MB in the scoring step of
+    Llama-3-8B on a v5e, compile-only)."""
+    r = jax.tree.leaves(args)[0].shape[0]
+    if chunk is None or r <= chunk or r % chunk:
+        return fn(args)
+    n = r // chunk
+    out = jax.lax.map(fn, jax.tree.map(lambda a: a.reshape(n, chunk, *a.shape[1:]), args))
+    return jax.tree.map(lambda a: a.reshape(r, *a.shape[2:]), out)
 
 
 def logprobs(x: jax.Array, at: jax.Array, k: int, chunk: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The log-softmax of each row of ``x`` [R, V] at id ``at`` [R], and its top ``k``
     (ids [R, k] int32, values [R, k]; zeros for ``k`` 0): ``jax.nn.log_softmax`` and
     ``jax.lax.top_k`` over it, bit for bit, ties to the lower id, without writing the
-    [R, V] log-softmax out (``_log_normalizer``, ``_top_k``).
-
-    By chunks of ``chunk`` rows where R is several of them (prompt scoring's [512, V]), for
-    a CPU (``LOGPROB_ROWS``): each pass over a chunk's logits then reads what the pass
-    before left in the cache. Over all 512 rows at once the max and log-sum-exp of [512,
-    49152] took 68 ms on XLA:CPU (the array read from memory twice), by chunks 18 ms, the
-    same bits (a row's sums are its own; 2-core Zen 4). Not on accelerators: there the loop
-    only adds temporaries (+158 MB in the scoring step of Llama-3-8B on a v5e, compile-only)."""
-    r = x.shape[0]
+    [R, V] log-softmax out (``_log_normalizer``, ``_top_k``); ``chunk``: by_row_chunks'."""
 
     def rows(args):
         x, at = args
@@ -184,11 +198,7 @@ def logprobs(x: jax.Array, at: jax.Array, k: int, chunk: int | None = None) -> t
         values, ids = _top_k(x, m, lse, k)
         return lp, ids, values
 
-    c = chunk
-    if c is None or r <= c or r % c:
-        return rows((x, at))
-    out = jax.lax.map(rows, (x.reshape(r // c, c, -1), at.reshape(r // c, c)))
-    return tuple(y.reshape(r, *y.shape[2:]) for y in out)
+    return by_row_chunks(rows, (x, at), chunk)
 
 
 def _log_normalizer(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -344,7 +354,27 @@ def sample(
     md: SamplingMetadata,
     penalties: PenaltyMetadata | None = None,
     allowed: jax.Array | None = None,
-    logprob_rows: int | None = None,
+    chunk_rows: int | None = None,
+) -> SamplerOutput:
+    """Each row's token (and logprobs where asked); ``chunk_rows``: by that many rows at a
+    time (``by_row_chunks``: a CPU's ``CPU_CHUNK_ROWS``), each row's the same bits."""
+    return by_row_chunks(lambda a: _sample(*a), (logits, md, penalties, allowed), chunk_rows)
+
+
+def _greedy(logits: jax.Array, words: jax.Array) -> jax.Array:
+    """Each row's argmax among the tokens ``words`` (``kept_words``) allows. A step that masks
+    nothing (no structured output, no blocked stop ids: every bit set) takes it from the raw
+    logits: for the masked argmax XLA writes the masked [S, V] copy out before reducing it. A
+    greedy sample step at [32, 49152] took 0.50-0.54 ms instead of 0.77-0.93 (2-core AMX
+    Xeon); with a mask, the same as before."""
+    return jax.lax.cond(jnp.all(words == -1), argmax, lambda x: argmax(masked(x, words)), logits)
+
+
+def _sample(
+    logits: jax.Array,
+    md: SamplingMetadata,
+    penalties: PenaltyMetadata | None,
+    allowed: jax.Array | None,
 ) -> SamplerOutput:
     raw = logits
     if penalties is not None:  # a separate compiled variant (see the module doc)
@@ -356,12 +386,7 @@ def sample(
     # steps: the draw below is the sampler's costliest part to compile (as two branches it
     # was twice in every program).
     words = kept_words(md.blocked_ids, allowed, logits.shape[1])
-    # The greedy rows' tokens (the sampled rows' fallback). A step that masks nothing (no
-    # structured output, no blocked stop ids: every bit set) takes them from the raw logits:
-    # for the masked argmax XLA writes the masked [S, V] copy out before reducing it. A
-    # greedy sample step at [32, 49152] took 0.50-0.54 ms instead of 0.77-0.93 (2-core AMX
-    # Xeon); with a mask, the same as before.
-    greedy = jax.lax.cond(jnp.all(words == -1), argmax, lambda x: argmax(masked(x, words)), logits)
+    greedy = _greedy(logits, words)  # the greedy rows' tokens (the sampled rows' fallback)
 
     def random(operands):
         logits, words, greedy = operands
@@ -372,10 +397,10 @@ def sample(
 
     def with_logprobs(raw):
         def top(raw):
-            return logprobs(raw, tokens, MAX_LOGPROBS, logprob_rows)
+            return logprobs(raw, tokens, MAX_LOGPROBS)
 
         def no_top(raw):
-            sampled, _, _ = logprobs(raw, tokens, 0, logprob_rows)
+            sampled, _, _ = logprobs(raw, tokens, 0)
             return sampled, jnp.zeros((s, MAX_LOGPROBS), jnp.int32), jnp.zeros((s, MAX_LOGPROBS), raw.dtype)
 
         return jax.lax.cond(jnp.any(md.num_logprobs > 0), top, no_top, raw)

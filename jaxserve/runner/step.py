@@ -260,14 +260,14 @@ def make_forward(graphdef, backend: AttentionBackend):
     return forward
 
 
-def make_scored_forward(graphdef, backend: AttentionBackend, logprob_rows: int | None = None):
+def make_scored_forward(graphdef, backend: AttentionBackend, chunk_rows: int | None = None):
     """``forward`` that also scores every token row: ``(state, kv_cache, md, feed_rows,
     feed_tokens, targets [T]) -> (kv_cache, logits [S, V], (target_logprobs [T], top_ids
     [T, MAX_LOGPROBS], top_logprobs [T, MAX_LOGPROBS]))``, row ``i``'s scores being of the
     token after it (``targets[i]``) under the model's distribution there: prompt logprobs.
     The LM head then runs on every row, so this is a separate program for the steps of
     requests that ask for them, compiled on first use (at warm-up with ``warmup_scoring``).
-    ``logprob_rows``: the scores by chunks of that many rows (``sampler.logprobs``; a CPU's)."""
+    ``chunk_rows``: the scores by chunks of that many rows (``sampler.by_row_chunks``; a CPU's)."""
     forward = make_forward(graphdef, backend)
 
     def scored(state, kv_cache, md: AttentionMetadata, feed_rows, feed_tokens, targets):
@@ -275,22 +275,22 @@ def make_scored_forward(graphdef, backend: AttentionBackend, logprob_rows: int |
             md, logits_indices=jnp.arange(md.input_ids.shape[0], dtype=jnp.int32), num_logits=md.query_start_loc[-1]
         )
         kv_cache, logits = forward(state, kv_cache, every_row, feed_rows, feed_tokens)
-        target, top_ids, top_lp = logprobs(logits, targets, MAX_LOGPROBS, logprob_rows)
+        target, top_ids, top_lp = logprobs(logits, targets, MAX_LOGPROBS, chunk_rows)
         return kv_cache, logits[md.logits_indices], (target, top_ids, top_lp)
 
     return scored
 
 
-def make_sample(max_num_seqs: int, mesh=None, logprob_rows: int | None = None):
+def make_sample(max_num_seqs: int, mesh=None, chunk_rows: int | None = None):
     """``sample(logits, smd, pmd, feed_tokens, allowed)``: penalised rows' histories completed from
     the step before (``feed_history``), then ``sample``, plus its tokens padded to
     ``max_num_seqs`` rows: the next step's ``feed_tokens``, kept on the device.
-    ``logprob_rows``: logprobs by chunks of that many rows (``sampler.logprobs``; a CPU's)."""
+    ``chunk_rows``: the sampler by chunks of that many rows (``sampler.by_row_chunks``; a CPU's)."""
 
     def sample_step(logits, smd: SamplingMetadata, pmd: PenaltyMetadata | None, feed_tokens, allowed):
         if pmd is not None:
             pmd = feed_history(pmd, smd.positions, feed_tokens)
-        out = sample(logits, smd, pmd, allowed, logprob_rows)
+        out = sample(logits, smd, pmd, allowed, chunk_rows)
         feed = jnp.zeros(max_num_seqs, jnp.int32).at[: out.tokens.shape[0]].set(out.tokens)
         if mesh is not None:
             feed = jax.lax.with_sharding_constraint(feed, replicated(mesh))
