@@ -361,15 +361,6 @@ def sample(
     return by_row_chunks(lambda a: _sample(*a), (logits, md, penalties, allowed), chunk_rows)
 
 
-def _greedy(logits: jax.Array, words: jax.Array) -> jax.Array:
-    """Each row's argmax among the tokens ``words`` (``kept_words``) allows. A step that masks
-    nothing (no structured output, no blocked stop ids: every bit set) takes it from the raw
-    logits: for the masked argmax XLA writes the masked [S, V] copy out before reducing it. A
-    greedy sample step at [32, 49152] took 0.50-0.54 ms instead of 0.77-0.93 (2-core AMX
-    Xeon); with a mask, the same as before."""
-    return jax.lax.cond(jnp.all(words == -1), argmax, lambda x: argmax(masked(x, words)), logits)
-
-
 def _sample(
     logits: jax.Array,
     md: SamplingMetadata,
@@ -386,7 +377,12 @@ def _sample(
     # steps: the draw below is the sampler's costliest part to compile (as two branches it
     # was twice in every program).
     words = kept_words(md.blocked_ids, allowed, logits.shape[1])
-    greedy = _greedy(logits, words)  # the greedy rows' tokens (the sampled rows' fallback)
+    # The greedy rows' tokens (the sampled rows' fallback). A step that masks nothing (no
+    # structured output, no blocked stop ids: every bit set) takes them from the raw logits:
+    # for the masked argmax XLA writes the masked [S, V] copy out before reducing it. A
+    # greedy sample step at [32, 49152] took 0.50-0.54 ms instead of 0.77-0.93 (2-core AMX
+    # Xeon); with a mask, the same as before.
+    greedy = jax.lax.cond(jnp.all(words == -1), argmax, lambda x: argmax(masked(x, words)), logits)
 
     def random(operands):
         logits, words, greedy = operands
