@@ -220,8 +220,9 @@ class StepCompiler:
         )
         self.vocab_size = cfg.vocab_size
         self._forward = jax.jit(make_forward(self.graphdef, backend), donate_argnums=(1,))
-        self._scored = jax.jit(make_scored_forward(self.graphdef, backend), donate_argnums=(1,))
-        self._sample = jax.jit(make_sample(plan.runner.max_num_seqs, plan.mesh))
+        chunk_rows = plan.runner.logits_chunk_rows  # (the plan's: None on accelerators)
+        self._scored = jax.jit(make_scored_forward(self.graphdef, backend, chunk_rows), donate_argnums=(1,))
+        self._sample = jax.jit(make_sample(plan.runner.max_num_seqs, plan.mesh, chunk_rows))
         self.feed_tokens = jax.ShapeDtypeStruct((plan.runner.max_num_seqs,), np.int32, sharding=self.replicated)
 
     def _param_spec(self, path, x):

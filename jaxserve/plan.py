@@ -24,6 +24,7 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import matmul_shapes
 from jaxserve.parallel import MeshConfig, check_divisible, make_mesh
 from jaxserve.runner.batch import MIN_TOKEN_BUCKET
+from jaxserve.runner.sampler import CPU_CHUNK_ROWS
 from jaxserve.runner.step import RunnerConfig
 from pallas_kernels import cpu_int8, cpu_matmul
 from pallas_kernels.ragged_paged_attention import cpu as cpu_attention
@@ -279,6 +280,9 @@ def resolve_plan(
         attention_backend=backend,
         kv_cache_dtype=kv_dtype,
         warmup_scoring=cfg.warmup_scoring,
+        # A CPU's passes over [S, V] logits past ~32 rows read them from memory, not the
+        # cache; on accelerators the chunks' loop would only add temporaries.
+        logits_chunk_rows=CPU_CHUNK_ROWS if platform == "cpu" else None,
     )
     return EnginePlan(
         mcfg,

@@ -496,6 +496,11 @@ def test_draws_follow_the_filtered_distribution():
         assert np.all(counts[~keep] == 0)
 
 
+def test_a_cpu_engine_samples_by_chunks_of_rows(tiny):
+    """The plan gives a CPU's runner CPU_CHUNK_ROWS (accelerators: None, test_tpu_compile)."""
+    assert tiny[0].runner.cfg.logits_chunk_rows == CPU_CHUNK_ROWS
+
+
 @pytest.mark.parametrize("penalties", [False, True])
 def test_the_sampler_by_row_chunks_gives_every_row_its_own_bits(penalties):
     """A CPU's sampler runs by chunks of CPU_CHUNK_ROWS rows (``by_row_chunks``): 96 rows

@@ -102,6 +102,7 @@ def test_shipped_tpu_configs_compile_their_largest_bucket_pair(config, topology)
     quarter of this test, for the same program with a longer token history)."""
     compiler = config_compiler(config, topology)
     assert compiler.plan.backend.name == "pallas_tpu" and compiler.plan.kv_dtype == "bfloat16"
+    assert compiler.plan.runner.logits_chunk_rows is None  # whole on a TPU (a CPU's chunks add temporaries)
     pairs = [max(compiler.plan.runner.bucket_pairs)]
     forwards, samplers = compile_every_bucket(compiler, pairs, penalties=False)
     assert len(forwards) == 1 and samplers

@@ -35,7 +35,7 @@ from jaxserve.parallel.multihost import COPY_PAGES, STEP, STOP, StepChannel, to_
 from jaxserve.runner import compile_counter
 from jaxserve.runner.batch import PackedBatch, ScheduledSeq, pack
 from jaxserve.runner.programs import ProgramStore
-from jaxserve.runner.sampler import CPU_CHUNK_ROWS, SamplerOutput
+from jaxserve.runner.sampler import SamplerOutput
 from jaxserve.runner.step import (
     RunnerConfig,
     SeqSampling,
@@ -94,9 +94,6 @@ class ModelRunner:
         # Program kind -> what its function closes over, part of its programs' keys in the
         # store (the arguments' shapes, types and placements are in every key).
         self._contexts: dict[str, bytes] = {}
-        # The sampler and the scores by chunks of rows on a CPU (sampler.by_row_chunks).
-        device = next(iter(mesh.devices.flat)) if mesh is not None else jax.devices()[0]
-        chunk_rows = CPU_CHUNK_ROWS if device.platform == "cpu" else None
         if program_dir is not None:
             order = [d.id for d in mesh.devices.flat] if mesh is not None else None
             self.store = ProgramStore(program_dir, repr(order).encode())
@@ -111,8 +108,8 @@ class ModelRunner:
             self._contexts = {
                 "kv_cache": graph + repr(built_from).encode(),
                 "forward": model,
-                "scored_forward": model + repr(chunk_rows).encode(),
-                "sample": repr(("sample", cfg.max_num_seqs, mesh, chunk_rows)).encode(),
+                "scored_forward": model + repr(cfg.logits_chunk_rows).encode(),
+                "sample": repr(("sample", cfg.max_num_seqs, mesh, cfg.logits_chunk_rows)).encode(),
                 "copy_pages": b"copy_pages",
             }
         # (name, bucket, ...) -> its compiled program; a step calls these, not the jitted
@@ -145,9 +142,9 @@ class ModelRunner:
         # What each of these closes over is its context in the store (``_contexts`` above).
         self._forward = jax.jit(make_forward(self.graphdef, cfg.attention_backend), donate_argnums=(1,))
         self._scored_forward = jax.jit(
-            make_scored_forward(self.graphdef, cfg.attention_backend, chunk_rows), donate_argnums=(1,)
+            make_scored_forward(self.graphdef, cfg.attention_backend, cfg.logits_chunk_rows), donate_argnums=(1,)
         )
-        self._sample = jax.jit(make_sample(cfg.max_num_seqs, mesh, chunk_rows))
+        self._sample = jax.jit(make_sample(cfg.max_num_seqs, mesh, cfg.logits_chunk_rows))
         self._copy_pages = jax.jit(copy_pages, donate_argnums=(0,))
         # Placed as the sampler's output will be: jit keys a call by its arguments' placement.
         zeros = np.zeros(cfg.max_num_seqs, np.int32)

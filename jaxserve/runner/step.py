@@ -49,6 +49,7 @@ class RunnerConfig:
     attention_backend: AttentionBackend = REFERENCE
     kv_cache_dtype: str | None = None  # None: the activation dtype
     warmup_scoring: bool = False  # compile_ahead also compiles the prompt-scoring forwards
+    logits_chunk_rows: int | None = None  # the sampler and the scores by chunks of rows (sampler.by_row_chunks)
 
     @property
     def pages_per_seq(self) -> int:
