@@ -54,7 +54,7 @@ def test_gguf_index_reopens_the_same_checkpoint_without_parsing(smollm2_path, tm
     def no_parse(*args, **kwargs):
         raise AssertionError("the GGUF file was parsed again")
 
-    monkeypatch.setattr(gguf, "GGUFReader", no_parse)
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", no_parse)
     second = open_checkpoint(smollm2_path, tmp_path)
     assert second.config == first.config and second.tensor_names() == first.tensor_names()
     for name in ("model.embed_tokens.weight", "model.layers.3.self_attn.k_proj.weight", "model.norm.weight"):

@@ -51,6 +51,26 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
+def _reader_class():
+    """gguf's reader over a plain numpy view of its file map. It slices its ``np.memmap``
+    once or twice per metadata string (SmolLM2: 98,000, its vocabulary and merges), and a
+    memmap's slice runs its subclass hooks each time: 2.3 s to read SmolLM2's header
+    against 0.8 s over the plain view (the same fields and tensors). The view keeps the
+    map open (its base)."""
+    import gguf
+
+    class PlainGGUFReader(gguf.GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:  # the reader's one assignment, in __init__
+            self._plain = mapped.view(np.ndarray)
+
+    return PlainGGUFReader
+
+
 class Checkpoint:
     """A model's config, named tensors and tokenizer, whatever the file format."""
 
@@ -176,11 +196,9 @@ class GGUFCheckpoint(Checkpoint):
             self._write_index(index)
 
     def _read_file(self) -> None:
-        import gguf
-
         path = self.path
         try:
-            reader = gguf.GGUFReader(str(path))
+            reader = _reader_class()(str(path))
         except Exception as e:  # struct errors, ValueError on bad magic, memmap errors
             raise ModelLoadError(f"cannot read {path}: not a valid GGUF file ({type(e).__name__}: {e})") from None
         self.meta = {key: field.contents() for key, field in reader.fields.items()}
