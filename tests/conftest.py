@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
+from jaxserve.models.fetch import DEFAULT_MODEL, fetch
+
 # Tracing and lowering (most of the suite's time is compiling) allocate objects by the
 # million, and Python's default collection every 700 net allocations then walks the young
 # objects again and again: 5-7% of a compile-bound file's time (test_docs 45.5 / 47.7 ->
 # 42.8 / 44.6 s, a third of test_attention_kernels 53.0 / 47.3 -> 49.1 / 44.6 s, 2-core
 # Zen 4, alternating). Cycles are still collected, in larger batches.
 gc.set_threshold(200_000, 50, 1000)
-
-from jaxserve.models.fetch import DEFAULT_MODEL, fetch
 
 # pytest-xdist's workers share the machine's cores, and torch's OpenMP team (the oracle's)
 # waits for its slowest thread at every operation: a core another worker holds stalls it.
