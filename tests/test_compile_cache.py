@@ -16,19 +16,22 @@ from flax import traverse_util
 
 from jaxserve import compile_cache
 from jaxserve.models import weight_cache
-from jaxserve.runner import compile_counter, programs
+from jaxserve.runner import compile_counter, model_runner, programs
 
 # A fresh process (JAX keeps compiled programs in memory too): build and warm up an LLM
 # over the cache folder given, generate once, report the counts (programs compiled, loaded
 # and lowered; checkpoint tensors read) and the tokens.
 START = """
-import json, sys
+import json, sys, time
 import jax
 from jaxserve import LLM, SamplingParams
 from jaxserve.models import checkpoint
-lowered, reads = [], []
+lowered, reads, compiles = [], [], []
 jax.monitoring.register_event_duration_secs_listener(
     lambda event, *a, **k: lowered.append(1) if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" else None)
+jax.monitoring.register_event_duration_secs_listener(  # (start, end) of each XLA compile
+    lambda event, s, *a, **k: compiles.append((time.monotonic() - s, time.monotonic()))
+    if event == "/jax/core/compile/backend_compile_duration" else None)
 real_read = checkpoint.HFCheckpoint.read
 checkpoint.HFCheckpoint.read = lambda self, name: reads.append(name) or real_read(self, name)
 llm = LLM(sys.argv[1], cache_dir=sys.argv[2], progress=False, dtype="float32", num_pages=32,
@@ -38,7 +41,8 @@ out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0,
 after = llm.stats()
 print(json.dumps({"compiles": warm["num_compiles"], "loaded": warm["num_compiles_loaded"], "lowered": len(lowered), "reads": len(reads),
                   "after_warmup": after["num_compiles"] - warm["num_compiles"], "tokens": out.token_ids,
-                  "samplers": sum(key[0] == "sample" for key in llm.runner._programs)}))
+                  "samplers": sum(key[0] == "sample" for key in llm.runner._programs),
+                  "at_once": max((sum(a <= t < b for a, b in compiles) for t, _ in compiles), default=0)}))
 """
 
 
@@ -56,6 +60,8 @@ def test_a_second_start_loads_every_program_instead_of_compiling(tiny_model_dir,
     first = _start(path, str(tmp_path), "score")  # the prompt-scoring steps warmed too
     assert first["compiles"] > 0 and first["loaded"] == 0
     assert first["after_warmup"] == 0  # warmed up at construction: generate compiles nothing
+    # Compiled several at a time on a CPU (ModelRunner._make), the same programs (below).
+    assert first["at_once"] == min(os.cpu_count() or 1, model_runner.COMPILE_THREADS), first
     second = _start(path, str(tmp_path))  # which programs warm-up makes is no part of their keys
     assert second["loaded"] == second["compiles"] and 0 < second["compiles"] < first["compiles"]  # nothing compiled
     assert first["lowered"] >= first["compiles"] and second["lowered"] == 0  # nor traced and lowered

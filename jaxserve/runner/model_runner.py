@@ -51,6 +51,8 @@ from jaxserve.runner.step import (
 )
 from pallas_kernels import cpu_matmul
 
+COMPILE_THREADS = 2  # programs compiled at once on a CPU (ModelRunner._make)
+
 
 def _name(key: tuple) -> str:
     """A program's name in the store: its key's parts joined ("forward/64/8")."""
@@ -343,7 +345,7 @@ class ModelRunner:
     def cancel_warmup(self) -> None:
         """Stops a started warm-up before its next program or kernel set-up, and waits for
         it: what a failed or interrupted start does, so no thread is left compiling (at most
-        one program's compile is waited for)."""
+        the compiles under way are waited for: COMPILE_THREADS on a CPU, else one)."""
         warming, self._warming = self._warming, None
         if warming is not None:
             self._cancel.set()
@@ -426,19 +428,35 @@ class ModelRunner:
         """The programs of ``jobs`` ((key, jitted function, arguments) each). On the CPU,
         those the store holds load several at a time first: a load is mostly XLA
         deserializing, which leaves the GIL (SmolLM2's 23 programs on 2 cores: 0.56 ->
-        0.25 s). Elsewhere, and the rest, one at a time, as steps would make them (libtpu
-        crashed compiling on several threads here; loads were never tried on a TPU)."""
+        0.25 s). The rest compile COMPILE_THREADS at a time on the CPU too: one program's
+        tracing and lowering (Python) then runs beside another's XLA compile (C++, outside
+        the GIL), which alone kept ~1.5 of 2 cores busy (SmolLM2's 29 programs, 2-core Zen 4,
+        alternating: 26.7 / 23.0 / 26.1 -> 20.7 / 23.1 / 21.4 s to build the LLM). Elsewhere,
+        and on several processes, one at a time, as steps would make them (libtpu crashed
+        compiling on several threads here)."""
+        cpu = jax.devices()[0].platform == "cpu"
         todo = [(key, args) for key, _, args in jobs if key not in self._programs]
-        if self.store is not None and len(todo) > 1 and jax.devices()[0].platform == "cpu":
+        if self.store is not None and len(todo) > 1 and cpu:
             with concurrent.futures.ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1, 8)) as pool:
                 found = pool.map(lambda job: self.store.load(_name(job[0]), job[1], self._contexts[job[0][0]]), todo)
                 self._programs.update((key, p) for (key, _), p in zip(todo, found, strict=True) if p is not None)
-        programs = []
-        for key, fn, args in jobs:
+
+        def make(job) -> Any:
+            key, fn, args = job
             self._check_cancel()
-            programs.append(self._program(key, fn, *args))
+            program = self._program(key, fn, *args)
             bar.update()
-        return programs
+            return program
+
+        missing = sum(key not in self._programs for key, _, _ in jobs)
+        if not cpu or self.channel is not None or missing < 2:  # multi-host: as it was
+            return [make(job) for job in jobs]
+        pool = concurrent.futures.ThreadPoolExecutor(min(missing, os.cpu_count() or 1, COMPILE_THREADS))
+        try:
+            futures = [pool.submit(make, job) for job in jobs]
+            return [f.result() for f in futures]
+        finally:  # a failed or cancelled warm-up waits for the compiles under way, starts no other
+            pool.shutdown(cancel_futures=True)
 
     @property
     def num_compiles(self) -> int:
