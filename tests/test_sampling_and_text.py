@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -19,12 +21,14 @@ from jaxserve.runner.sampler import (
     CPU_CHUNK_ROWS,
     MAX_BLOCKED,
     MAX_LOGPROBS,
+    TPU_TOP_K_WIDTH,
     PenaltyMetadata,
     SamplerOutput,
     argmax,
     kept_words,
     logprobs,
     masked,
+    padded_top_k,
     penalize,
 )
 from jaxserve.runner.step import TokenHistory
@@ -258,8 +262,8 @@ def test_penalties_match_a_numpy_reference(h):
 def test_logprobs_are_the_log_softmax_and_its_top_k_bit_for_bit(vocab, rows):
     """``logprobs`` (the value at an id, the two-level top-k) against ``jax.nn.log_softmax``
     and ``jax.lax.top_k`` over it: the same bits and ids, ties to the lower id, with many
-    ties (rounded logits, a constant row, the largest value once in every block), NaN,
-    +-inf, a vocabulary that is not whole blocks (50257) or fewer blocks than k (40, 320),
+    ties (rounded logits, a constant row, the largest value once in every block), NaN
+    (a negative one too, which top_k ranks below -inf), +-inf, a vocabulary that is not whole blocks (50257) or fewer blocks than k (40, 320),
     and 64 rows (two chunks of CPU_CHUNK_ROWS, as on a CPU)."""
     rng = np.random.default_rng(vocab + rows)
     x = (3 * rng.standard_normal((rows, vocab))).astype(np.float32)
@@ -272,6 +276,7 @@ def test_logprobs_are_the_log_softmax_and_its_top_k_bit_for_bit(vocab, rows):
     x[6, vocab // 2] = 0.0
     x[7, :3] = np.inf
     x[8] = np.round(x[8] * 4) / 4
+    x[0, ::2] = np.array(0xFFC00000, np.uint32).view(np.float32)  # a negative NaN: x86's default NaN
     at = rng.integers(0, vocab, rows).astype(np.int32)
     lp = jax.jit(jax.nn.log_softmax)(x)  # jitted as in the step: the sums then run alike
     want_at = np.take_along_axis(np.asarray(lp), at[:, None], axis=1)[:, 0]
@@ -281,6 +286,40 @@ def test_logprobs_are_the_log_softmax_and_its_top_k_bit_for_bit(vocab, rows):
         want_values, want_ids = jax.lax.top_k(lp, k) if k else (np.zeros((rows, 0)), np.zeros((rows, 0)))
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids), err_msg=f"k={k}")
         assert np.array_equal(np.asarray(values).view(np.int32), np.asarray(want_values, np.float32).view(np.int32)), k
+
+
+def test_the_padded_top_k_is_top_k_bit_for_bit():
+    """``padded_top_k`` (a TPU's top-k of narrow rows) against ``jax.lax.top_k`` of the rows
+    unpadded: the same values and ids, k up to the row's length, with ties, +-0, +-inf and
+    NaN of both signs (a negative NaN ranks below -inf: -inf padding would outrank it)."""
+    neg_nan = np.array(0xFFC00000, np.uint32).view(np.float32)
+    rng = np.random.default_rng(7)
+    x = np.round(rng.standard_normal((6, 37)), 1).astype(np.float32)
+    x[1] = neg_nan
+    x[2, ::3] = neg_nan
+    x[3, :5] = [np.nan, -np.inf, 0.0, -0.0, np.inf]
+    x[4] = -np.inf
+    x[5, ::2] = np.nan
+    for k in (1, 5, 37):
+        want_values, want_ids = jax.lax.top_k(x, k)
+        values, ids = jax.jit(padded_top_k, static_argnums=(1, 2))(x, k, 64)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids), err_msg=f"k={k}")
+        assert np.array_equal(np.asarray(values).view(np.int32), np.asarray(want_values).view(np.int32)), k
+
+
+def test_a_tpu_program_takes_its_top_k_over_wide_rows():
+    """Lowered for a TPU, the logprobs' top-k of Llama-3's 1,002 block maxima runs padded to
+    TPU_TOP_K_WIDTH columns (libtpu compiles narrower rows by a slow path: ``top_k``); for a
+    CPU or a GPU the program is the plain top-k's."""
+    x = jax.ShapeDtypeStruct((8, 128256), np.float32)
+    at = jax.ShapeDtypeStruct((8,), np.int32)
+
+    def widths(platform):
+        traced = jax.jit(logprobs, static_argnums=(2,)).trace(x, at, MAX_LOGPROBS)
+        return set(re.findall(r"tensor<8x(\d+)xf32>", traced.lower(lowering_platforms=(platform,)).as_text()))
+
+    assert str(TPU_TOP_K_WIDTH) in widths("tpu") and "1002" in widths("tpu")
+    assert str(TPU_TOP_K_WIDTH) not in widths("cpu") | widths("cuda")
 
 
 def test_the_mask_keeps_what_the_bitmask_allows_less_the_blocked_ids():
