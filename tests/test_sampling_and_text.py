@@ -309,8 +309,8 @@ def test_the_padded_top_k_is_top_k_bit_for_bit():
 
 def test_a_tpu_program_takes_its_top_k_over_wide_rows():
     """Lowered for a TPU, the logprobs' top-k of Llama-3's 1,002 block maxima runs padded to
-    TPU_TOP_K_WIDTH columns (libtpu compiles narrower rows by a slow path: ``top_k``); for a
-    CPU or a GPU the program is the plain top-k's."""
+    TPU_TOP_K_WIDTH columns (libtpu compiles narrower rows by a slow path:
+    ``platform_top_k``); for a CPU or a GPU the program is the plain top-k's."""
     x = jax.ShapeDtypeStruct((8, 128256), np.float32)
     at = jax.ShapeDtypeStruct((8,), np.int32)
 

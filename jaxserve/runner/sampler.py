@@ -220,16 +220,18 @@ def _top_k(x: jax.Array, m: jax.Array, lse: jax.Array, k: int, b: int = 128) -> 
     r, vocab = x.shape
     blocks = jnp.pad(x, ((0, 0), (0, -vocab % b)), constant_values=-jnp.inf).reshape(r, -1, b)
     kb = min(k, blocks.shape[1])
-    _, chosen = top_k((blocks.max(axis=2) - m) - lse, kb)
+    _, chosen = platform_top_k((blocks.max(axis=2) - m) - lse, kb)
     chosen = jnp.sort(chosen, axis=1)  # in id order, so top_k's ties still go to the lower id
-    values, at = top_k((jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(r, kb * b) - m) - lse, k)
+    values, at = platform_top_k(
+        (jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(r, kb * b) - m) - lse, k
+    )
     return values, (jnp.take_along_axis(chosen, at // b, axis=1) * b + at % b).astype(jnp.int32)
 
 
-TPU_TOP_K_WIDTH = 2048  # the narrowest rows whose top-k libtpu compiles quickly (top_k)
+TPU_TOP_K_WIDTH = 2048  # the narrowest rows whose top-k libtpu compiles quickly (platform_top_k)
 
 
-def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def platform_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """``jax.lax.top_k(x, k)`` of [R, n] float32 rows; on a TPU, rows narrower than
     ``TPU_TOP_K_WIDTH`` go in padded (``padded_top_k``). libtpu compiles the top-k of
     narrower rows by another path, in seconds once rows are many: top 20 of [64, 1002]
