@@ -25,9 +25,11 @@ from jaxserve.runner.sampler import (
     PenaltyMetadata,
     SamplerOutput,
     argmax,
+    blocked_masked_argmax,
     kept_words,
     logprobs,
     masked,
+    masked_argmax,
     padded_top_k,
     penalize,
 )
@@ -320,6 +322,40 @@ def test_a_tpu_program_takes_its_top_k_over_wide_rows():
 
     assert str(TPU_TOP_K_WIDTH) in widths("tpu") and "1002" in widths("tpu")
     assert str(TPU_TOP_K_WIDTH) not in widths("cpu") | widths("cuda")
+
+
+@pytest.mark.parametrize("vocab", [128256, 49152, 320, 97])
+def test_the_tpus_masked_argmax_is_the_masked_argmax(vocab):
+    """``blocked_masked_argmax`` (a TPU's masked greedy token, in blocks of 128) against
+    ``argmax(masked(...))``: ties, the max masked away, -inf, rows all masked and all kept,
+    bit 31 set, a vocabulary that is not whole blocks (320, 97: padding never taken)."""
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(0, 4, (8, vocab)).astype(np.float32)  # many ties
+    x[1, -1] = 9.0
+    x[2] = -np.inf
+    x[3, 5] = 9.0
+    words = rng.integers(-(2**31), 2**31, (8, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+    words[3, 0] &= ~(1 << 5)  # the max masked away
+    words[4] = 0  # everything masked: index 0, as argmax of an all -inf row
+    words[5] = -1
+    words[6] = -(2**31)  # bit 31 of each word only
+    want = np.asarray(jax.jit(lambda x, w: argmax(masked(x, w)))(x, words))
+    got = np.asarray(jax.jit(blocked_masked_argmax)(x, words))
+    assert got.tolist() == want.tolist()
+    assert want[4] == 0 and want[3] != 5
+
+
+def test_a_tpu_sampler_takes_its_masked_argmax_in_blocks_of_128():
+    """Lowered for a TPU, the masked greedy branch runs in [S, V / 128, 128] blocks (the mask's
+    bits and the argmax's blocks in one layout); for a CPU or a GPU it is ``argmax(masked)``."""
+    x = jax.ShapeDtypeStruct((8, 128256), np.float32)
+    words = jax.ShapeDtypeStruct((8, 4008), np.int32)
+
+    def lowered(platform):
+        return jax.jit(masked_argmax).trace(x, words).lower(lowering_platforms=(platform,)).as_text()
+
+    assert "tensor<8x1002x128xf32>" in lowered("tpu")
+    assert "tensor<8x1002x128xf32>" not in lowered("cpu") + lowered("cuda")
 
 
 def test_the_mask_keeps_what_the_bitmask_allows_less_the_blocked_ids():
