@@ -153,10 +153,15 @@ def argmax(x: jax.Array) -> jax.Array:
     b = _block_width(vocab)
     if not b:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    blocks = x.reshape(s, vocab // b, b)
+    return _argmax_of_blocks(x.reshape(s, vocab // b, b))
+
+
+def _argmax_of_blocks(blocks: jax.Array) -> jax.Array:
+    """The argmax of each row of [S, nb, b] blocks as one row of nb * b: the first block
+    holding the row's max, then the first max in that block."""
     first = jnp.argmax(blocks.max(axis=-1), axis=-1)  # a block before it has a smaller max
     block = jnp.take_along_axis(blocks, first[:, None, None], axis=1)[:, 0]
-    return (first * b + jnp.argmax(block, axis=-1)).astype(jnp.int32)
+    return (first * blocks.shape[2] + jnp.argmax(block, axis=-1)).astype(jnp.int32)
 
 
 def masked_argmax(x: jax.Array, words: jax.Array) -> jax.Array:
@@ -174,20 +179,15 @@ def masked_argmax(x: jax.Array, words: jax.Array) -> jax.Array:
 
 def blocked_masked_argmax(x: jax.Array, words: jax.Array) -> jax.Array:
     """``argmax(masked(x, words))`` in blocks of 128 tokens, each block's 4 words of bits
-    expanded in place: the first block holding the largest kept value, then the first such
-    value in it. A vocabulary that is not whole blocks is padded with masked tokens, after
-    every real one. (A row with NaN gets an id in range, as from ``argmax``.)"""
+    expanded in place (``_argmax_of_blocks``). A vocabulary that is not whole blocks is
+    padded with -inf, after every real token: never taken before one, whatever the padded
+    words' bits. (A row with NaN gets an id in range, as from ``argmax``.)"""
     s, vocab = x.shape
     nb = -(-vocab // 128)
-    x = jnp.pad(x, ((0, 0), (0, nb * 128 - vocab))).reshape(s, nb, 128)
+    x = jnp.pad(x, ((0, 0), (0, nb * 128 - vocab)), constant_values=-jnp.inf).reshape(s, nb, 128)
     words = jnp.pad(words, ((0, 0), (0, nb * 4 - words.shape[1]))).reshape(s, nb, 4)
     bits = (words[..., None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, nb, 4, 32]
-    blocks = jnp.where(bits.reshape(s, nb, 128) == 1, x, -jnp.inf)
-    if vocab % 128:  # the padding's bits: masked whatever the padded words held
-        blocks = jnp.where(jnp.arange(nb * 128).reshape(nb, 128) < vocab, blocks, -jnp.inf)
-    first = jnp.argmax(blocks.max(axis=-1), axis=-1)
-    block = jnp.take_along_axis(blocks, first[:, None, None], axis=1)[:, 0]
-    return (first * 128 + jnp.argmax(block, axis=-1)).astype(jnp.int32)
+    return _argmax_of_blocks(jnp.where(bits.reshape(s, nb, 128) == 1, x, -jnp.inf))
 
 
 CPU_CHUNK_ROWS = 32  # rows per chunk of the passes over logits on a CPU (by_row_chunks)
