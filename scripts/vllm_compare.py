@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> None:
                 f"vllm {args.dtype} offline run {i}: {seconds:.2f} s, {tokens / seconds:.1f} output tok/s", flush=True
             )
         return
-    prompt = [TokensPrompt(prompt_token_ids=[i % 1000 + 100 for i in range(500)])]  # as jaxserve bench latency
+    # as jaxserve bench latency --prompt-len N
+    prompt = [TokensPrompt(prompt_token_ids=[i % 1000 + 100 for i in range(args.prompt_len)])]
 
     def timed(n: int) -> float:
         t0 = time.perf_counter()
@@ -103,7 +104,9 @@ def run(args: argparse.Namespace) -> None:
     for _ in range(2):
         prefill = timed(1)
         decode = (timed(65) - prefill) / 64
-        print(f"vllm {args.dtype}: prefill 500 tokens {prefill * 1e3:.0f} ms, decode {decode * 1e3:.1f} ms/token")
+        print(
+            f"vllm {args.dtype}: prefill {args.prompt_len} tokens {prefill * 1e3:.0f} ms, decode {decode * 1e3:.1f} ms/token"
+        )
 
 
 def main() -> None:
@@ -113,6 +116,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--temperature", type=float, default=0.0, help="offline: 0 (greedy, the default) or sampled")
     p.add_argument("--top-p", type=float, default=1.0, help="offline, with --temperature > 0")
+    p.add_argument("--prompt-len", type=int, default=500, help="latency: the prompt's tokens")
     p.add_argument("--no-amx", action="store_true", help="run as on a CPU without AMX (without_amx)")
     args = p.parse_args()
     convert(args.model) if args.mode == "convert" else run(args)
