@@ -269,6 +269,11 @@ def test_metrics_endpoint(served):
         "jaxserve_compiles",
     ):
         assert name in text, name
+    # The engine's own counts: every program made (compiled or loaded), and the loaded ones.
+    figures = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("jaxserve_compiles"))
+    stats = server.engine_thread.call(lambda e: e.stats())
+    assert float(figures["jaxserve_compiles"]) == stats["num_compiles"] > 0
+    assert float(figures["jaxserve_compiles_loaded"]) == stats["num_compiles_loaded"] <= stats["num_compiles"]
 
 
 def test_model_info_and_abort_unknown(served):

@@ -37,7 +37,17 @@ class _Live:
             ("jaxserve_requests_waiting", "requests_waiting", "Requests waiting to be scheduled"),
             ("jaxserve_requests_running", "requests_running", "Requests in the running batch"),
             ("jaxserve_kv_pages_total", "kv_pages_total", "KV pages in the pool"),
-            ("jaxserve_compiles", "num_compiles", "XLA compiles since start"),
+            (
+                "jaxserve_compiles",
+                "num_compiles",
+                "Step programs made since start, compiled or loaded from the compile cache: the warm-up's, "
+                "then one per program a step had to wait for",
+            ),
+            (
+                "jaxserve_compiles_loaded",
+                "num_compiles_loaded",
+                "Of jaxserve_compiles, those loaded from the compile cache",
+            ),
             ("jaxserve_kv_pages_pinned", "kv_pages_pinned", "KV pages on leased (pinned) prefixes, of the cached"),
             ("jaxserve_leases", "leases", "Leases pinning a prefix in the cache"),
         ):
