@@ -253,6 +253,14 @@ class EngineConfig:
     def from_options(cls, **options) -> EngineConfig:
         return from_options(cls, options, "engine")
 
+    @classmethod
+    def from_file(cls, path: str, **options) -> EngineConfig:
+        """The engine options of a YAML file as ``jaxserve run --config`` takes (its
+        ``server`` section is the server's), with ``options`` over them as ``--set``."""
+        data = read_config_file(path)
+        data.pop("server", None)
+        return cls.from_options(**{**data, **options})
+
 
 def from_options(cls, options: dict[str, Any], what: str):
     """``cls(**options)``, an unknown key being one ConfigError that lists the allowed ones."""

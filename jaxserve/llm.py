@@ -7,6 +7,7 @@ through the same engine, KV pages and jitted step the server uses.
 from __future__ import annotations
 
 import dataclasses
+import os
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -70,23 +71,42 @@ def _output(r: Request) -> RequestOutput:
     )
 
 
+def _engine_config(config: EngineConfig | str | os.PathLike | None, options: dict[str, Any]) -> EngineConfig:
+    if config is None:
+        return EngineConfig.from_options(**options)
+    if isinstance(config, (str, os.PathLike)):
+        return EngineConfig.from_file(os.fspath(config), **options)
+    if not isinstance(config, EngineConfig):
+        raise ConfigError(f"config: an EngineConfig or a YAML file's path; got a {type(config).__name__}")
+    if options:
+        raise ConfigError(
+            f"config: an EngineConfig takes no engine options beside it (got {', '.join(sorted(options))}): "
+            "set them in it (dataclasses.replace), or give config as a YAML file's path"
+        )
+    return config
+
+
 class LLM:
     """Loads a model (alias, Hugging Face directory or .gguf) and generates from it."""
 
     def __init__(
         self,
-        model: str = EngineConfig.model,
+        model: str | None = None,
         *,
-        config: EngineConfig | None = None,
+        config: EngineConfig | str | os.PathLike | None = None,
         progress: bool = True,
         warmup: bool = True,
         **engine_options: Any,
     ):
-        """``warmup``: compile (or load from the compile cache) every step bucket now, so
-        the first ``generate`` runs as fast as later ones; off, each compiles on first use."""
-        if config is not None and engine_options:
-            raise ConfigError("give either config= or engine options, not both")
-        self.config = config or EngineConfig.from_options(model=model, **engine_options)
+        """``model`` and ``engine_options``: docs/configuration.md (``model`` defaults to
+        SmolLM2). ``config``: an EngineConfig, or a YAML file as ``jaxserve run --config``
+        takes, whose engine options ``model`` and ``engine_options`` then override, as
+        ``--set`` does. ``warmup``: compile (or load from the compile cache) every step
+        bucket now, so the first ``generate`` runs as fast as later ones; off, each
+        compiles on first use."""
+        if model is not None:
+            engine_options["model"] = model
+        self.config = _engine_config(config, engine_options)
         self.handle: EngineHandle = assemble(self.config, progress, warmup=warmup)
         h = self.handle
         self.engine, self.tokenizer, self.model_config, self.plan = h.engine, h.tokenizer, h.model_config, h.plan

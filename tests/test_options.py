@@ -71,3 +71,25 @@ def test_a_new_option_is_one_declaration():
 def test_the_wire_carries_exactly_the_sampling_params_fields():
     wire = set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
     assert wire == {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def test_the_offline_llm_takes_the_run_config_file(tmp_path, tiny_model_dir):
+    """LLM(config=PATH) reads the engine options of the YAML file `jaxserve run --config`
+    takes (its server section is the server's), keyword options over the file's as --set;
+    anything else given as config is one ConfigError naming it."""
+    from jaxserve import LLM
+
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model: {tiny_model_dir('llama')[0]}\nmax_num_seqs: 4\nnum_pages: 40\nserver:\n  port: 1234\n")
+    llm = LLM(config=path, max_num_batched_tokens=32, progress=False, warmup=False)
+    assert llm.config == load_run_config(str(path), ["max_num_batched_tokens=32"])[0]
+    assert (llm.config.max_num_seqs, llm.config.max_num_batched_tokens, llm.config.num_pages) == (4, 32, 40)
+    assert EngineConfig.from_file(str(path), model="other").model == "other"
+    with pytest.raises(ConfigError, match="config: an EngineConfig or a YAML file's path; got a int"):
+        LLM(config=5)
+    with pytest.raises(ConfigError, match=r"takes no engine options beside it \(got max_num_seqs, model\)"):
+        LLM("smollm2-135m-instruct", config=llm.config, max_num_seqs=2)
+    with pytest.raises(ConfigError, match="cannot read config file .*nope.yaml"):
+        LLM(config=str(tmp_path / "nope.yaml"))
+    with pytest.raises(ConfigError, match="unknown engine option"):
+        LLM(config=path, port=5)
