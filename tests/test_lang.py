@@ -393,3 +393,56 @@ def test_an_endpoint_with_no_server_there_is_one_error():
     """It was grpc's _InactiveRpcError with its debug string, from the tokenizer's lookup."""
     with pytest.raises(lang.ProgramError, match=r"Endpoint\('127.0.0.1:1'\): the jaxserve gRPC API does not answer \("):
         lang.Endpoint("127.0.0.1:1")
+
+
+def test_a_program_starts_with_the_tokenizers_bos_once():
+    """A tokenizer that puts a BOS before a text (Llama's, Mistral's): a program's first text
+    starts with it, as LLM.generate's prompt of text does, once even where a role block's
+    template renders it too, and not again later; the trace's shared prefix is the runs'."""
+    from tokenizers import processors
+
+    from tests.conftest import TINY_CHAT_TEMPLATE, _tiny_tokenizer
+
+    tok = _tiny_tokenizer()
+    tok.add_special_tokens({"bos_token": "<s>"})
+    bos = tok.bos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.chat_template = "{{ bos_token }}" + TINY_CHAT_TEMPLATE
+    assert tok.encode("The capital")[0] == bos
+
+    class Recording(lang.Backend):
+        def __init__(self):
+            self.tokenizer, self.sent = tok, []
+
+        def submit(self, token_ids, params, pin_s=None, on_text=None):
+            self.sent.append(list(token_ids))
+
+        def result(self, handle):
+            return lang.backends.Outcome([], "", "length")
+
+    @lang.function
+    def plain(s, place):
+        s += "The capital"
+        s += " of "
+        s += place
+        s += lang.gen("a", max_tokens=1)
+
+    @lang.function
+    def system_first(s, q):
+        s += lang.system("S")
+        s += lang.user(q)
+        s += lang.assistant(lang.gen("a", max_tokens=1))
+
+    @lang.function
+    def user_first(s, q):  # the template's BOS is in the system block's text only
+        s += lang.user(q)
+        s += lang.assistant(lang.gen("a", max_tokens=1))
+
+    backend = Recording()
+    plain.run(backend, place="France")
+    plain_ids = [tok.encode(t, add_special_tokens=False) for t in ("The capital", " of ", "France")]
+    assert backend.sent[-1] == [bos, *plain_ids[0], *plain_ids[1], *plain_ids[2]]
+    assert plain.trace(backend).shared_token_ids == [bos, *plain_ids[0], *plain_ids[1]]
+    for program in (system_first, user_first):
+        program.run(backend, q="Hi")
+        assert backend.sent[-1][0] == bos and backend.sent[-1].count(bos) == 1, program.__name__

@@ -4,13 +4,15 @@ program builds the same token ids against either and gets the same greedy output
 
 A backend's calls: ``encode`` (a text segment's ids, no special tokens: a program's
 prompt is its segments' ids one after the other, so a shared segment has the same ids in
-every run), ``roles`` (the chat template's text around each role's content), ``submit``
+every run; only the program's first text starts with what the tokenizer puts before a
+text, a BOS, as a prompt of text does), ``roles`` (the chat template's text around each role's content), ``submit``
 (a request, not waited for) and ``result`` (its outcome, waited for), ``unpin``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -82,9 +84,23 @@ def _outcome(token_ids: list[int], text: str, finish_reason: str, stop_reason, e
 class Backend:
     tokenizer: Any
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, first: bool = False) -> list[int]:
+        """``first``: the program's first text, which starts with the tokenizer's leading
+        special tokens (Llama's or Mistral's BOS), as a prompt of text does in
+        ``LLM.generate`` and on the servers, unless it holds them already (a chat
+        template's BOS, rendered by a role block)."""
         check_text(text, "the program's text")
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        if not text:
+            return []
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        lead = self._leading_ids
+        return lead + ids if first and ids[: len(lead)] != lead else ids
+
+    @functools.cached_property
+    def _leading_ids(self) -> list[int]:
+        """What the tokenizer puts before a text of its own accord: [BOS], or nothing."""
+        plain, full = self.tokenizer.encode("a", add_special_tokens=False), self.tokenizer.encode("a")
+        return full[: len(full) - len(plain)] if full[len(full) - len(plain) :] == plain else []
 
     @property
     def roles(self) -> dict[str, tuple[str, str]]:

@@ -198,7 +198,7 @@ class ProgramState:
             self._on_text(item.choices[best])
 
     def _add_text(self, text: str) -> None:
-        self.token_ids += self.backend.encode(text)
+        self.token_ids += self.backend.encode(text, first=not self.token_ids)
         self._text += text
         if self._on_text is not None and text:
             self._on_text(text)
@@ -360,7 +360,7 @@ class _TraceState:
                 if _SENTINEL in piece:
                     self.shared = False
                 elif self.shared:
-                    self.result.shared_token_ids += self.backend.encode(piece)
+                    self.result.shared_token_ids += self.backend.encode(piece, first=not self.result.shared_token_ids)
                     self.result.shared_text += piece
             elif isinstance(piece, Gen | Select):  # its output (which choice) differs per run
                 self.result.calls.append(CallSite(piece.name, len(self.result.shared_token_ids), self.shared))
