@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+from tqdm.auto import tqdm
 
 from jaxserve.assembly import ChatMessages, EngineHandle, Prompt, assemble
 from jaxserve.config import EngineConfig
@@ -139,9 +140,11 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generates a completion for each prompt with continuous batching; outputs in prompt order.
         ``sampling_params``: one for all, or a list with one per prompt (as vLLM's).
+        ``use_tqdm``: a progress bar of the requests finished (vLLM's argument; off by default).
 
         On an LLM that is being served, the requests go through the server's engine thread
         (the one thread that steps the engine) and are batched with the server's traffic.
@@ -151,15 +154,21 @@ class LLM:
         # n > 1: one request per sample, all at once (the scheduler computes their shared
         # prompt once: the others fork from the first when it finishes the prompt).
         flat = [(ids, sp) for ids, p in zip(encoded, params, strict=True) for sp in p.samples()]
-        if self.engine.handoff is not None:
-            served = self._served([ids for ids, _ in flat], [sp for _, sp in flat])
-            outs = [_output(sub.request) for sub, delta in served if delta.finish_reason]
-        else:
-            with self.engine.owned_by_current_thread("an offline LLM.generate call"):
-                requests = [self.engine.add_request(ids, sp) for ids, sp in flat]
-                for _ in self._steps(requests):
-                    pass
-            outs = [_output(r) for r in requests]
+        with tqdm(total=len(flat), desc="requests", unit="req", disable=not use_tqdm) as bar:
+            if self.engine.handoff is not None:
+                outs = []
+                for sub, delta in self._served([ids for ids, _ in flat], [sp for _, sp in flat]):
+                    if delta.finish_reason:
+                        outs.append(_output(sub.request))
+                        bar.update()  # in prompt order: a later request's end shows when those before it ended
+            else:
+                with self.engine.owned_by_current_thread("an offline LLM.generate call"):
+                    requests = [self.engine.add_request(ids, sp) for ids, sp in flat]
+                    for _ in self._steps(requests):
+                        if use_tqdm:
+                            bar.update(sum(r.status.is_finished for r in requests) - bar.n)
+                outs = [_output(r) for r in requests]
+            bar.update(len(flat) - bar.n)
         grouped, i = [], 0
         for p in params:
             samples, i = outs[i : i + p.n], i + p.n
@@ -183,7 +192,10 @@ class LLM:
         return params
 
     def chat(
-        self, conversations: ChatMessages | Sequence[ChatMessages], sampling_params: SamplingParams | None = None
+        self,
+        conversations: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Replies to one conversation (a list of ``{"role", "content"}`` messages) or to each
         of several, through the model's chat template; outputs in order."""
@@ -191,7 +203,7 @@ class LLM:
         for i, c in enumerate(conversations):
             if not (isinstance(c, list) and c and all(isinstance(m, dict) for m in c)):
                 raise RequestError(f"conversations[{i}] must be a non-empty list of {{role, content}} messages")
-        return self.generate(conversations, sampling_params)
+        return self.generate(conversations, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields text deltas of one completion as tokens are generated."""

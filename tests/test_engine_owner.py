@@ -284,3 +284,17 @@ def test_busy_steps_do_not_each_count_the_pages_held_and_the_idle_figures_are_ex
         assert thread.snapshot["kv_pages_held"] == 0 and thread.snapshot["steps"] == llm.engine.counters["steps"]
     finally:
         thread.stop()
+
+
+def test_use_tqdm_counts_the_requests_offline_and_served(llm, capsys):
+    """generate(..., use_tqdm=True), vLLM's argument: a bar of the requests finished, to all
+    of them, offline and on a served LLM alike, with the outputs of a call without it."""
+    prompts = [rng_tokens(6 + 3 * i, 320, seed=10 + i) for i in range(5)]
+    expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert "requests" not in capsys.readouterr().err
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=True)] == expected
+    assert "requests: 100%" in capsys.readouterr().err
+    config = ServerConfig(port=0, http_port=None, metrics_port=None, warmup=False)
+    with serve_llm(llm, config):
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=True)] == expected
+        assert "5/5" in capsys.readouterr().err
