@@ -88,6 +88,34 @@ def test_a_branch_on_an_argument_is_traced_without_a_false_share(llm):
         backend.close()
 
 
+@lang.function
+def joined(s, task):
+    s += lang.system(SYSTEM)
+    forks = s.fork(2)
+    for i, f in enumerate(forks):
+        f += lang.user(f"Idea {i} on {task}: ")
+        f += lang.gen("idea", max_tokens=3, **GREEDY)
+    s += lang.user("Ideas: " + "; ".join(f["idea"] for f in forks))  # str.join takes no placeholder
+    s += lang.assistant(lang.gen("pick", max_tokens=3, **GREEDY))
+
+
+def test_a_program_that_only_real_values_can_run_still_runs_batched(llm):
+    """Tracing meets a placeholder where only real text works (str.join raises TypeError
+    there): the shared prefix ends there, and run_batch runs the program as run does."""
+    backend = lang.LLMBackend(llm)
+    try:
+        trace = joined.trace(backend)
+        sys_begin, sys_end = backend.roles["system"]
+        assert trace.shared_text == sys_begin + SYSTEM + sys_end
+        assert trace.stopped.startswith("TypeError") and '"; ".join' in trace.stopped
+        batched = joined.run_batch(backend, [{"task": t} for t in TASKS[:3]])
+        assert [r.token_ids for r in batched] == [joined.run(backend, task=t).token_ids for t in TASKS[:3]]
+    finally:
+        backend.close()
+    llm.scheduler.check_integrity()
+    assert llm.stats()["kv_pages_held"] == 0
+
+
 def test_run_batch_computes_the_shared_prefix_once(tiny_path):
     """Prefill tokens computed = the shared prefix once + each run's own remainder, exactly;
     against the same runs without the warm-up and without caching."""

@@ -460,10 +460,15 @@ class Program:
         state = _TraceState(backend, result)
         try:
             self.fn(state, **{name: Placeholder(f"argument {name!r}") for name in self.arg_names})
-        except _Diverges as e:
+        except Exception as e:  # noqa: BLE001 - what tracing can tell ends where it raised
             frame = traceback.extract_tb(e.__traceback__)[1:2]  # the program's line
             where = f" (line {frame[0].lineno}: {frame[0].line})" if frame else ""
-            result.stopped = f"{e}{where}: the program may take another path per run, so sharing stops there"
+            if isinstance(e, _Diverges):
+                result.stopped = f"{e}{where}: the program may take another path per run, so sharing stops there"
+            else:
+                # A placeholder where only real text works (" ".join(...), json.dumps): the
+                # text before it is still every run's, whatever the runs do with their values.
+                result.stopped = f"{type(e).__name__}: {e}{where}: raised while tracing, so sharing stops there"
         return result
 
     def run_batch(
