@@ -460,6 +460,8 @@ class Program:
         state = _TraceState(backend, result)
         try:
             self.fn(state, **{name: Placeholder(f"argument {name!r}") for name in self.arg_names})
+        except ProgramError:
+            raise  # the program is wrong whatever its arguments (an unknown variable, a bad append)
         except Exception as e:  # noqa: BLE001 - what tracing can tell ends where it raised
             frame = traceback.extract_tb(e.__traceback__)[1:2]  # the program's line
             where = f" (line {frame[0].lineno}: {frame[0].line})" if frame else ""
