@@ -44,6 +44,11 @@ class RequestOutput:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     samples: list[RequestOutput] | None = None  # n > 1: every sample (this object is sample 0's)
 
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """Every sample, in vLLM's shape (its ``output.outputs[0].text`` is this ``text``)."""
+        return self.samples or [self]
+
 
 @dataclasses.dataclass
 class PinnedPrefix:

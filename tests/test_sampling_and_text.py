@@ -639,6 +639,7 @@ def test_n_samples_share_the_prompt(tiny_model_dir):
     assert [s.token_ids for s in again.samples] == [s.token_ids for s in out.samples]
     alone = llm.generate([ids], SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True))[0]
     assert alone.token_ids == out.samples[0].token_ids and alone.samples is None
+    assert out.outputs == out.samples and alone.outputs == [alone]  # vLLM's output.outputs[i]
     greedy = llm.generate([ids], SamplingParams(n=4, max_tokens=12, temperature=0.0, ignore_eos=True))[0]
     assert len({tuple(s.token_ids) for s in greedy.samples}) == 1
     with pytest.raises(RequestError, match=r"sampling_params.n = 0: must be an integer in \[1, 64\]"):
