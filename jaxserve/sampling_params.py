@@ -47,8 +47,8 @@ def _shown(value) -> str:
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those
-    filters. A request with a ``seed`` gives the same tokens whatever else is batched.
+    ``temperature == 0`` is greedy. ``top_k == 0`` (or vLLM's -1, taken as 0) and
+    ``top_p == 1`` disable those filters. A request with a ``seed`` gives the same tokens whatever else is batched.
     """
 
     max_tokens: int = 16  # 0: prefill only (the prompt's K/V computed and cached, no token)
@@ -93,6 +93,8 @@ class SamplingParams:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
+        if _int(self.top_k) and self.top_k == -1:  # vLLM's "every token" (its default once)
+            object.__setattr__(self, "top_k", 0)
         for name in ("stop", "stop_token_ids") + (("choice",) if self.choice is not None else ()):
             object.__setattr__(self, name, _items(getattr(self, name)))
         bias = self.logit_bias
@@ -124,7 +126,7 @@ class SamplingParams:
             (
                 "top_k",  # the sampler's int32: 10**12 failed the step, every request in it
                 _int(self.top_k) and 0 <= self.top_k < 2**31,
-                "an integer in [0, 2**31) (0 = disabled)",
+                "an integer in [-1, 2**31) (0 or -1: disabled)",
             ),
             ("top_p", _number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("min_p", _number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),

@@ -169,8 +169,8 @@ def test_bad_engine_options(options, message):
         ({"max_tokens": -1}, r"max_tokens = -1: must be an integer >= 0"),
         ({"temperature": -1.0}, r"temperature = -1.0: must be a number >= 0"),
         ({"top_p": 0.0}, r"top_p = 0.0: must be a number in \(0, 1\]"),
-        ({"top_k": -2}, r"top_k = -2: must be an integer in \[0, 2\*\*31\) \(0 = disabled\)"),
-        ({"top_k": 10**12}, r"top_k = 1000000000000: must be an integer in \[0, 2\*\*31\)"),  # failed the step
+        ({"top_k": -2}, r"top_k = -2: must be an integer in \[-1, 2\*\*31\) \(0 or -1: disabled\)"),
+        ({"top_k": 10**12}, r"top_k = 1000000000000: must be an integer in \[-1, 2\*\*31\)"),  # failed the step
         ({"top_k": True}, r"top_k = True: must be an integer"),
         ({"min_p": 1.5}, r"min_p = 1.5: must be a number in \[0, 1\]"),
         ({"min_tokens": 5, "max_tokens": 2}, r"min_tokens = 5: must be an integer in \[0, max_tokens\]"),
@@ -179,6 +179,11 @@ def test_bad_engine_options(options, message):
 def test_bad_sampling_params(params, message):
     with pytest.raises(RequestError, match=message):
         SamplingParams(**params)
+
+
+def test_vllms_top_k_minus_one_is_no_top_k():
+    """vLLM's top_k = -1 ("every token", its default once) is taken, as 0: the same params."""
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0) == SamplingParams()
 
 
 def test_bad_prompts(tiny_model_dir):

@@ -201,7 +201,7 @@ class RequestPreparer:
         if body.repetition_penalty is not None:
             kwargs["repetition_penalty"] = body.repetition_penalty
         if body.top_k is not None:
-            kwargs["top_k"] = 0 if body.top_k == -1 else body.top_k  # vLLM's -1: no top-k
+            kwargs["top_k"] = body.top_k  # vLLM's -1 (no top-k) too: SamplingParams takes it
         if body.stop is not None:
             kwargs["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
         if body.stop_token_ids:
