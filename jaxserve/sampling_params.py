@@ -48,7 +48,8 @@ class SamplingParams:
     """How to pick each next token and when to stop.
 
     ``temperature == 0`` is greedy. ``top_k == 0`` (or vLLM's -1, taken as 0) and
-    ``top_p == 1`` disable those filters. A request with a ``seed`` gives the same tokens whatever else is batched.
+    ``top_p == 1`` disable those filters. A request with a ``seed`` gives the same tokens
+    whatever else is batched.
     """
 
     max_tokens: int = 16  # 0: prefill only (the prompt's K/V computed and cached, no token)

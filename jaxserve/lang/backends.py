@@ -5,8 +5,9 @@ program builds the same token ids against either and gets the same greedy output
 A backend's calls: ``encode`` (a text segment's ids, no special tokens: a program's
 prompt is its segments' ids one after the other, so a shared segment has the same ids in
 every run; only the program's first text starts with what the tokenizer puts before a
-text, a BOS, as a prompt of text does), ``roles`` (the chat template's text around each role's content), ``submit``
-(a request, not waited for) and ``result`` (its outcome, waited for), ``unpin``.
+text, a BOS, as a prompt of text does), ``roles`` (the chat template's text around each
+role's content), ``submit`` (a request, not waited for) and ``result`` (its outcome,
+waited for), ``unpin``.
 """
 
 from __future__ import annotations
@@ -98,9 +99,11 @@ class Backend:
 
     @functools.cached_property
     def _leading_ids(self) -> list[int]:
-        """What the tokenizer puts before a text of its own accord: [BOS], or nothing."""
+        """What the tokenizer puts before a text of its own accord: [BOS], or nothing (an
+        EOS it may put after is not a prompt's)."""
         plain, full = self.tokenizer.encode("a", add_special_tokens=False), self.tokenizer.encode("a")
-        return full[: len(full) - len(plain)] if full[len(full) - len(plain) :] == plain else []
+        at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), 0)
+        return full[:at]
 
     @property
     def roles(self) -> dict[str, tuple[str, str]]:
