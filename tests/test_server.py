@@ -177,7 +177,7 @@ INVALID = [
     (dict(prompt="hi", temperature=-0.5), "temperature = -0.5: must be a number >= 0"),
     (dict(prompt="hi", top_p=0.0), r"top_p = 0.0: must be a number in \(0, 1\]"),
     (dict(prompt="hi", top_p=1.5), r"top_p = 1.5"),
-    (dict(prompt="hi", top_k=-3), "top_k = -3: must be an integer in \\[0, 2\\*\\*31\\)"),
+    (dict(prompt="hi", top_k=-3), "top_k = -3: must be an integer in \\[-1, 2\\*\\*31\\)"),
     (dict(prompt="hi", min_p=2.0), r"min_p = 2.0: must be a number in \[0, 1\]"),
     (dict(prompt="hi", repetition_penalty=0.0), r"repetition_penalty = 0.0: must be a number in \(0, 10\]"),
     (dict(prompt="hi", logprobs=50), r"logprobs = 50: must be None or an integer in \[0, 20\]"),
