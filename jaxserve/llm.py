@@ -130,7 +130,7 @@ class LLM:
 
     @staticmethod
     def _as_list(prompts: Prompt | Sequence[Prompt], what: str = "prompts") -> list[Prompt]:
-        one = "one conversation (a list of chat messages)" if what == "conversations" else ONE_PROMPT
+        one = "one conversation (a list of chat messages)" if what == "messages" else ONE_PROMPT
         if isinstance(prompts, str):
             return [prompts]
         if isinstance(prompts, list) and prompts and all(isinstance(p, (int, dict)) for p in prompts):
@@ -198,16 +198,19 @@ class LLM:
 
     def chat(
         self,
-        conversations: ChatMessages | Sequence[ChatMessages],
+        messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Replies to one conversation (a list of ``{"role", "content"}`` messages) or to each
-        of several, through the model's chat template; outputs in order."""
-        conversations = self._as_list(conversations, "conversations")
+        of several (a list of such lists: vLLM's ``messages``), through the model's chat
+        template; outputs in order."""
+        conversations = self._as_list(messages, "messages")
         for i, c in enumerate(conversations):
             if not (isinstance(c, list) and c and all(isinstance(m, dict) for m in c)):
-                raise RequestError(f"conversations[{i}] must be a non-empty list of {{role, content}} messages")
+                raise RequestError(
+                    f"messages[{i}]: a conversation must be a non-empty list of {{role, content}} messages"
+                )
         return self.generate(conversations, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:

@@ -199,8 +199,10 @@ def test_bad_prompts(tiny_model_dir):
         llm.generate([[999] * 80])
     with pytest.raises(RequestError, match=r"messages\[0\] must have string 'role' and 'content'"):
         llm.generate([[{"role": "user"}]])
-    with pytest.raises(RequestError, match=r"conversations\[1\] must be a non-empty list of \{role, content\}"):
+    with pytest.raises(RequestError, match=r"messages\[1\]: a conversation must be a non-empty list of \{role, co"):
         llm.chat([[{"role": "user", "content": "hi"}], "hi"])
+    with pytest.raises(RequestError, match=r"messages\[0\]: a conversation must be"):
+        llm.chat(messages=[[]])  # vLLM's keyword
     with pytest.raises(RequestError, match=r"sampling_params: one SamplingParams, or a list of 1 .*; got a dict$"):
         llm.generate(["hi"], {"max_tokens": 2})
     with pytest.raises(RequestError, match=r"stop_token_ids\[1\] = 320: out of range; allowed 0..319"):
@@ -217,7 +219,7 @@ def test_bad_prompts(tiny_model_dir):
         llm.generate({"role": "user", "content": "hi"})
     with pytest.raises(RequestError, match=r"prompts: one prompt .* got a NoneType"):  # was a TypeError
         llm.generate(None)
-    with pytest.raises(RequestError, match=r"conversations: one conversation .* got a NoneType"):
+    with pytest.raises(RequestError, match=r"messages: one conversation .* got a NoneType"):
         llm.chat(None)
     with pytest.raises(RequestError, match=r"sampling_params: one SamplingParams, .* got a dict"):  # AttributeError
         next(llm.stream("hi", {"max_tokens": 2}))
