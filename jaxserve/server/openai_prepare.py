@@ -195,19 +195,15 @@ class RequestPreparer:
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
         )
-        for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "min_p"):
+        # As given (vLLM's top_k = -1 too: SamplingParams takes it as no top-k).
+        for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "min_p",
+                     "repetition_penalty", "prompt_logprobs"):  # fmt: skip
             if getattr(body, name) is not None:
                 kwargs[name] = getattr(body, name)
-        if body.repetition_penalty is not None:
-            kwargs["repetition_penalty"] = body.repetition_penalty
-        if body.top_k is not None:
-            kwargs["top_k"] = body.top_k  # vLLM's -1 (no top-k) too: SamplingParams takes it
         if body.stop is not None:
             kwargs["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
         if body.stop_token_ids:
             kwargs["stop_token_ids"] = tuple(body.stop_token_ids)
-        if body.prompt_logprobs is not None:
-            kwargs["prompt_logprobs"] = body.prompt_logprobs
         if body.logit_bias:
             try:  # OpenAI's keys are token ids as strings
                 kwargs["logit_bias"] = tuple((int(k), v) for k, v in body.logit_bias.items())
