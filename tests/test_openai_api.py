@@ -67,6 +67,15 @@ def test_chat_and_completions_match_grpc_and_offline(api):
     assert chat.choices[0].message.content == grpc_chat.text and grpc_chat.text
     assert chat.choices[0].message.role == "assistant"
     assert completion.choices[0].text == grpc_text.text == offline.text
+    # vLLM's top_k = -1 (no top-k) is taken over HTTP and gRPC alike
+    every = client.completions.create(
+        model="tiny", prompt="The capital of France", max_tokens=12, extra_body={**NO_EOS, "top_k": -1}, **GREEDY
+    )
+    with Client(addr) as c:
+        assert (
+            c.generate("The capital of France", max_tokens=12, ignore_eos=True, top_k=-1, **GREEDY).text == offline.text
+        )
+    assert every.choices[0].text == offline.text
     assert chat.choices[0].finish_reason == completion.choices[0].finish_reason == "length"
     usage = completion.usage
     assert usage.completion_tokens == 12 and usage.prompt_tokens == len(llm.handle.encode("The capital of France"))
