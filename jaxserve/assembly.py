@@ -71,9 +71,21 @@ class EngineHandle:
         A chat ends with the assistant's header (``add_generation_prompt``), or with its
         last message left open for the model to go on with (``continue_final_message``), or
         neither: the turn closed."""
+        return self.encode_with_text(prompt, field, add_generation_prompt, continue_final_message)[0]
+
+    def encode_with_text(
+        self,
+        prompt: Prompt,
+        field: str = "prompt",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> tuple[list[int], str | None]:
+        """``encode``'s token ids, and the text they came from: the prompt itself, a chat's
+        rendering by the template, or None for token ids (vLLM's ``RequestOutput.prompt``)."""
+        text = None
         if isinstance(prompt, str):
             check_text(prompt, field)
-            ids = self.tokenizer.encode(prompt)
+            text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             for i, m in enumerate(prompt):
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
@@ -103,7 +115,7 @@ class EngineHandle:
         else:
             raise RequestError(NOT_A_PROMPT)
         check_prompt_ids(ids, self.max_model_len, self.model_config.vocab_size, field)
-        return ids
+        return ids, text
 
 
 def assemble(cfg: EngineConfig, progress: bool = True, warmup: bool = False) -> EngineHandle:

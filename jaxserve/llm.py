@@ -22,7 +22,13 @@ from jaxserve.engine.request import Request
 from jaxserve.errors import ConfigError, EngineError, RequestError
 from jaxserve.sampling_params import SamplingParams
 
-ONE_PROMPT = "one prompt (a string, a list of token ids, or a list of chat messages)"
+ONE_PROMPT = (
+    "one prompt (a string, a list of token ids, a list of chat messages, or vLLM's "
+    '{"prompt": text} / {"prompt_token_ids": ids})'
+)
+# vLLM's TextPrompt and TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids}, the
+# latter with the text they came from beside them if the caller has it.
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
 
 __all__ = ["LLM", "ChatMessages", "PinnedPrefix", "Prompt", "RequestOutput"]
 
@@ -43,6 +49,10 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     samples: list[RequestOutput] | None = None  # n > 1: every sample (this object is sample 0's)
+    # The prompt's text (vLLM's): as given, or a chat's rendering by the template; None for
+    # token ids given without it.
+    prompt: str | None = None
+    index: int = 0  # which sample of its prompt this is (vLLM's CompletionOutput.index)
 
     @property
     def outputs(self) -> list[RequestOutput]:
@@ -60,9 +70,11 @@ class PinnedPrefix:
     num_cached_tokens: int  # of which were cached already (not computed by the pin)
 
 
-def _output(r: Request) -> RequestOutput:
+def _output(r: Request, prompt: str | None, index: int) -> RequestOutput:
     want = r.params.logprobs is not None
     return RequestOutput(
+        prompt=prompt,
+        index=index,
         prompt_token_ids=r.prompt_token_ids,
         token_ids=r.output_token_ids,
         text=r.output_text,
@@ -90,6 +102,11 @@ def _engine_config(config: EngineConfig | str | os.PathLike | None, options: dic
             "set them in it (dataclasses.replace), or give config as a YAML file's path"
         )
     return config
+
+
+def _is_prompt_dict(p: Any) -> bool:
+    """vLLM's prompt dicts, told from a chat message (which has a role)."""
+    return isinstance(p, dict) and "role" not in p and any(k in p for k in PROMPT_DICT_KEYS)
 
 
 class LLM:
@@ -123,17 +140,42 @@ class LLM:
         if warmup:
             self.runner.warmup(progress)
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a text, token-id list or chat message list (template applied),
-        shorter than max_model_len."""
-        return self.handle.encode(prompt)
+    def encode(self, prompt: Prompt | dict) -> list[int]:
+        """Token ids of a text, token-id list or chat message list (template applied), or of
+        vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``; shorter than max_model_len."""
+        return self._encode_with_text(prompt)[0]
+
+    def _encode_with_text(self, prompt: Prompt | dict, field: str = "prompt") -> tuple[list[int], str | None]:
+        if not isinstance(prompt, dict):
+            return self.handle.encode_with_text(prompt, field)
+        unknown = sorted(map(str, set(prompt) - set(PROMPT_DICT_KEYS)))
+        if unknown or not prompt:
+            raise RequestError(
+                f"{field}: a prompt dict (vLLM's TextPrompt / TokensPrompt) takes 'prompt' (a string) and / or "
+                f"'prompt_token_ids' (a list of token ids); got {unknown or 'neither'}"
+            )
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise RequestError(f"{field}.prompt: a string; got a {type(text).__name__}")
+        if "prompt_token_ids" not in prompt:
+            return self.handle.encode_with_text(text, f"{field}.prompt")
+        ids = prompt["prompt_token_ids"]
+        if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+            raise RequestError(f"{field}.prompt_token_ids: a non-empty list of token ids (integers)")
+        return self.handle.encode_with_text(ids, f"{field}.prompt_token_ids")[0], text
 
     @staticmethod
     def _as_list(prompts: Prompt | Sequence[Prompt], what: str = "prompts") -> list[Prompt]:
         one = "one conversation (a list of chat messages)" if what == "messages" else ONE_PROMPT
-        if isinstance(prompts, str):
+        # a lone dict with no role is read as vLLM's prompt dict: its refusal names its keys
+        if isinstance(prompts, str) or (what == "prompts" and isinstance(prompts, dict) and "role" not in prompts):
             return [prompts]
-        if isinstance(prompts, list) and prompts and all(isinstance(p, (int, dict)) for p in prompts):
+        if (
+            isinstance(prompts, list)
+            and prompts
+            and all(isinstance(p, (int, dict)) for p in prompts)
+            and not (what == "prompts" and all(map(_is_prompt_dict, prompts)))
+        ):
             return [prompts]
         # a lone message (a dict) would list its keys as prompts: "role", "content"
         if isinstance(prompts, (dict, bytes)) or not hasattr(prompts, "__iter__"):
@@ -148,31 +190,41 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generates a completion for each prompt with continuous batching; outputs in prompt order.
-        ``sampling_params``: one for all, or a list with one per prompt (as vLLM's).
+        A prompt: a string, token ids, chat messages, or vLLM's ``{"prompt": text}`` /
+        ``{"prompt_token_ids": ids}``. ``sampling_params``: one for all, or a list with one per prompt (as vLLM's).
         ``use_tqdm``: a progress bar of the requests finished (vLLM's argument; off by default).
 
         On an LLM that is being served, the requests go through the server's engine thread
         (the one thread that steps the engine) and are batched with the server's traffic.
         """
-        encoded = [self.encode(p) for p in self._as_list(prompts)]
+        return self._generate(self._as_list(prompts), sampling_params, use_tqdm, "prompts")
+
+    def _generate(self, prompts: list[Prompt], sampling_params, use_tqdm: bool, what: str) -> list[RequestOutput]:
+        """``generate`` of a list of prompts; refusals name ``what[i]``."""
+        encoded = [self._encode_with_text(p, f"{what}[{i}]") for i, p in enumerate(prompts)]
         params = self._params_per_prompt(sampling_params, len(encoded))
         # n > 1: one request per sample, all at once (the scheduler computes their shared
         # prompt once: the others fork from the first when it finishes the prompt).
-        flat = [(ids, sp) for ids, p in zip(encoded, params, strict=True) for sp in p.samples()]
+        flat = [
+            (ids, sp, text, index)
+            for (ids, text), p in zip(encoded, params, strict=True)
+            for index, sp in enumerate(p.samples())
+        ]
         with tqdm(total=len(flat), desc="requests", unit="req", disable=not use_tqdm) as bar:
             if self.engine.handoff is not None:
                 outs = []
-                for sub, delta in self._served([ids for ids, _ in flat], [sp for _, sp in flat]):
+                for sub, delta in self._served([f[0] for f in flat], [f[1] for f in flat]):
                     if delta.finish_reason:
-                        outs.append(_output(sub.request))
+                        text, index = flat[len(outs)][2:]
+                        outs.append(_output(sub.request, text, index))
                         bar.update()  # in prompt order: a later request's end shows when those before it ended
             else:
                 with self.engine.owned_by_current_thread("an offline LLM.generate call"):
-                    requests = [self.engine.add_request(ids, sp) for ids, sp in flat]
+                    requests = [self.engine.add_request(ids, sp) for ids, sp, _, _ in flat]
                     for _ in self._steps(requests):
                         if use_tqdm:
                             bar.update(sum(r.status.is_finished for r in requests) - bar.n)
-                outs = [_output(r) for r in requests]
+                outs = [_output(r, text, index) for r, (_, _, text, index) in zip(requests, flat, strict=True)]
             bar.update(len(flat) - bar.n)
         grouped, i = [], 0
         for p in params:
@@ -211,7 +263,7 @@ class LLM:
                 raise RequestError(
                     f"messages[{i}]: a conversation must be a non-empty list of {{role, content}} messages"
                 )
-        return self.generate(conversations, sampling_params, use_tqdm=use_tqdm)
+        return self._generate(conversations, sampling_params, use_tqdm, "messages")
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields text deltas of one completion as tokens are generated."""

@@ -191,11 +191,11 @@ def test_bad_prompts(tiny_model_dir):
     llm = LLM(str(path), progress=False, warmup=False, num_pages=16, max_model_len=64)
     with pytest.raises(RequestError, match="prompt is empty"):
         llm.generate([""])
-    with pytest.raises(RequestError, match=r"prompt\[1\] = 999: out of range; allowed 0..319"):
+    with pytest.raises(RequestError, match=r"prompts\[0\]\[1\] = 999: out of range; allowed 0..319"):
         llm.generate([[1, 999]])
-    with pytest.raises(RequestError, match="prompt: 80 tokens; must be shorter than max_model_len"):
+    with pytest.raises(RequestError, match=r"prompts\[0\]: 80 tokens; must be shorter than max_model_len"):
         llm.generate([[1] * 80])
-    with pytest.raises(RequestError, match="prompt: 80 tokens; must be shorter"):  # its length first: ids unread
+    with pytest.raises(RequestError, match=r"prompts\[0\]: 80 tokens; must be shorter"):  # its length first: ids unread
         llm.generate([[999] * 80])
     with pytest.raises(RequestError, match=r"messages\[0\] must have string 'role' and 'content'"):
         llm.generate([[{"role": "user"}]])
@@ -209,11 +209,13 @@ def test_bad_prompts(tiny_model_dir):
         llm.generate(["hi"], SamplingParams(stop_token_ids=[3, 320]))
     # a lone surrogate (a str can hold one; UTF-8 cannot) was a TypeError from the tokenizer
     with pytest.raises(
-        RequestError, match=r"prompt: not valid Unicode text: a lone surrogate '\\ud800' at character 1"
+        RequestError, match=r"prompts\[0\]: not valid Unicode text: a lone surrogate '\\ud800' at character 1"
     ):
         llm.generate("a\ud800b")
-    with pytest.raises(RequestError, match=r"prompt\[0\].content: not valid Unicode text: .* at character 0"):
+    with pytest.raises(RequestError, match=r"prompts\[0\]\[0\].content: not valid Unicode text: .* at character 0"):
         llm.generate([[{"role": "user", "content": "\udfff"}]])
+    with pytest.raises(RequestError, match=r"messages\[1\]\[0\].content: not valid Unicode text"):  # chat's name
+        llm.chat([[{"role": "user", "content": "hi"}], [{"role": "user", "content": "\udfff"}]])
     # a lone message (a dict) was listed as its keys: completions of "role" and "content"
     with pytest.raises(RequestError, match=r"prompts: one prompt \(a string, .*\) or a list of them; got a dict"):
         llm.generate({"role": "user", "content": "hi"})

@@ -3,6 +3,7 @@ and a second thread that tries to drive an engine someone else drives gets a cle
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -11,6 +12,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.client import Client
 from jaxserve.engine.async_engine import Delta
 from jaxserve.engine.engine import EngineBusyError
+from jaxserve.errors import RequestError
 from jaxserve.server.config import ServerConfig
 from tests.conftest import rng_tokens, serve_llm, wait_until
 
@@ -298,3 +300,36 @@ def test_use_tqdm_counts_the_requests_offline_and_served(llm, capsys):
     with serve_llm(llm, config):
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=True)] == expected
         assert "5/5" in capsys.readouterr().err
+
+
+def test_vllms_prompt_dicts_and_each_outputs_prompt_offline_and_served(llm):
+    """vLLM's {"prompt": text} and {"prompt_token_ids": ids}, alone or in a list beside
+    plain prompts, run as the plain prompt would; each output's ``prompt`` is the text it
+    came from (a chat's, as the template rendered it) or None for bare token ids, and its
+    samples' ``index`` count them. Bad dicts: one error naming the prompt and the key."""
+    text, ids = "the cat sat", rng_tokens(9, 320, seed=3)
+    chat = [{"role": "user", "content": "hi"}]
+    rendered = llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    plain = llm.generate([text, ids, chat], GREEDY)
+    assert [o.prompt for o in plain] == [text, None, rendered]
+    as_dicts = [{"prompt": text}, {"prompt_token_ids": ids, "prompt": "its text"}, chat]
+    config = ServerConfig(port=0, http_port=None, metrics_port=None, warmup=False)
+    for served in (False, True):
+        with serve_llm(llm, config) if served else contextlib.nullcontext():
+            outs = llm.generate(as_dicts, GREEDY)
+            assert [o.token_ids for o in outs] == [o.token_ids for o in plain], served
+            assert [o.prompt for o in outs] == [text, "its text", rendered]
+            assert llm.generate({"prompt_token_ids": ids}, GREEDY)[0].prompt is None
+            n3 = llm.generate([{"prompt": text}], SamplingParams(n=3, max_tokens=2, temperature=1.0, seed=1))[0]
+            assert [(s.index, s.prompt) for s in n3.outputs] == [(0, text), (1, text), (2, text)]
+    for bad, message in [
+        ({"prompt_ids": ids}, r"prompts\[0\]: a prompt dict .* got \['prompt_ids'\]"),
+        ([{"prompt": text}, {"prompt": 3}], r"prompts\[1\].prompt: a string; got a int"),
+        ({"prompt_token_ids": [1, "2"]}, r"prompts\[0\].prompt_token_ids: a non-empty list of token ids"),
+        ({"prompt_token_ids": [1, 999]}, r"prompts\[0\].prompt_token_ids\[1\] = 999: out of range"),
+        ({"prompt": ""}, r"prompts\[0\].prompt: the prompt is empty"),
+    ]:
+        with pytest.raises(RequestError, match=message):
+            llm.generate(bad, GREEDY)
+    llm.scheduler.check_integrity()
+    assert llm.stats()["kv_pages_held"] == 0
