@@ -120,8 +120,9 @@ class EngineConfig:
     )
     dtype: str | None = option(
         None,
-        "Activation dtype; null: float32 on CPU (exact against transformers), bfloat16 on accelerators.",
-        one_of(*DTYPES),
+        "Activation dtype; null or auto (vLLM's word): float32 on CPU (exact against transformers), bfloat16 "
+        "on accelerators.",
+        one_of(*DTYPES, "auto"),
     )
     weight_dtype: str | None = option(
         None,
@@ -262,12 +263,36 @@ class EngineConfig:
         return cls.from_options(**{**data, **options})
 
 
+# vLLM's engine arguments that scripts ported from it pass, and what stands for each here:
+# the refusal of one says so rather than leaving the reader to search the allowed list.
+VLLM_ENGINE_ARGS = {
+    "tensor_parallel_size": "tensor parallelism is mesh: {data: 1, model: N}",
+    "gpu_memory_utilization": "the KV cache is sized by kv_cache_memory_gb or num_pages",
+    "block_size": "a KV page's tokens are page_size",
+    "enable_chunked_prefill": "prefill is always chunked, max_num_batched_tokens a step",
+    "enforce_eager": "every step shape is compiled once (warm-up); there is no eager mode",
+    "trust_remote_code": "no code is loaded from a checkpoint: the architectures are built in",
+    "tokenizer": "the tokenizer is the model's own (its directory or GGUF file)",
+    "download_dir": "downloads go to cache_dir",
+    "seed": "a request's seed is SamplingParams(seed=...), whose tokens do not depend on the batch",
+    "swap_space": "a preempted request is recomputed (from the prefix cache where it can be), never swapped out",
+    "cpu_offload_gb": "weights are not offloaded",
+    "pipeline_parallel_size": "there is no pipeline parallelism (mesh: tensor parallelism)",
+}
+
+
 def from_options(cls, options: dict[str, Any], what: str):
-    """``cls(**options)``, an unknown key being one ConfigError that lists the allowed ones."""
+    """``cls(**options)``, an unknown key being one ConfigError that lists the allowed ones
+    (and, for a vLLM engine argument, what stands for it here)."""
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(options) - names)
     if unknown:
-        raise ConfigError(f"unknown {what} option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(names))}")
+        vllm = [f"{k} is vLLM's: {VLLM_ENGINE_ARGS[k]}" for k in unknown if k in VLLM_ENGINE_ARGS and what == "engine"]
+        raise ConfigError(
+            f"unknown {what} option(s) {', '.join(unknown)}; "
+            + "".join(f"{v}; " for v in vllm)
+            + f"allowed: {', '.join(sorted(names))}"
+        )
     return cls(**options)
 
 

@@ -216,7 +216,7 @@ def resolve_plan(
     """
     devices = list(devices if devices is not None else jax.devices())
     platform = platform or devices[0].platform
-    dtype = cfg.dtype or default_dtype(platform)
+    dtype = default_dtype(platform) if cfg.dtype in (None, "auto") else cfg.dtype
     max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, 8192)
     if max_model_len > mcfg.max_position_embeddings:
         raise ConfigError(

@@ -65,6 +65,14 @@ def test_auto_keeps_a_narrow_activation_dtype_and_explicit_values_win(monkeypatc
     assert (p.weight_dtype, p.kv_dtype) == ("float32", "float32")
 
 
+@pytest.mark.parametrize(("platform", "dtype"), [("cpu", "float32"), ("tpu", "bfloat16")])
+def test_dtype_auto_is_the_platforms_choice_as_null(platform, dtype):
+    """vLLM's dtype = auto (its default) picks what null picks: float32 on CPU, bfloat16 on
+    accelerators."""
+    for given in (None, "auto"):
+        assert resolve_plan(EngineConfig(num_pages=16, dtype=given), TINY, platform=platform).dtype == dtype
+
+
 def test_a_bad_dtype_names_auto_among_the_allowed():
     with pytest.raises(ConfigError, match="weight_dtype = 'fast': must be one of float32, bfloat16, float16, auto"):
         EngineConfig(weight_dtype="fast")

@@ -93,3 +93,20 @@ def test_the_offline_llm_takes_the_run_config_file(tmp_path, tiny_model_dir):
         LLM(config=str(tmp_path / "nope.yaml"))
     with pytest.raises(ConfigError, match="unknown engine option"):
         LLM(config=path, port=5)
+
+
+def test_vllms_engine_arguments_are_answered_with_what_stands_for_them():
+    """A script ported from vLLM passes its engine arguments: dtype = auto (vLLM's default)
+    is the platform's choice, as null; the others are refused, each with what stands for
+    it here, beside the allowed list."""
+    assert EngineConfig.from_options(dtype="auto").dtype == "auto"
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size is vLLM's: tensor parallelism is mesh: \{data: 1, m"):
+        EngineConfig.from_options(tensor_parallel_size=2)
+    with pytest.raises(
+        ConfigError,
+        match=r"option\(s\) gpu_memory_utilization, seed; gpu_memory_utilization is vLLM's: .* kv_cache_memory_gb "
+        r"or num_pages; seed is vLLM's: a request's seed is SamplingParams\(seed=...\).*; allowed: attention_backend",
+    ):
+        EngineConfig.from_options(seed=0, gpu_memory_utilization=0.9)
+    with pytest.raises(ConfigError, match=r"unknown engine option\(s\) page_sise; allowed: "):  # not vLLM's: no hint
+        EngineConfig.from_options(page_sise=16)
