@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from jaxserve.errors import RequestError, check_text
@@ -265,3 +266,35 @@ class SamplingParams:
             or self.frequency_penalty != 0
             or bool(self.logit_bias)
         )
+
+
+# vLLM's SamplingParams fields that scripts ported from it pass, and what stands for each
+# here: the refusal of one says so.
+VLLM_FIELDS = {
+    "structured_outputs": "structured output is json_schema, json_object, regex, choice or grammar",
+    "guided_decoding": "structured output is json_schema, json_object, regex, choice or grammar",
+    "prompt_logprob_start": "the first scored prompt token is prompt_logprobs_start",
+    "detokenize": "the output is always detokenized (token_ids has the ids)",
+    "output_kind": "LLM.stream gives deltas, generate whole outputs",
+}
+
+
+def _refuse_unknown_fields(init):
+    """The generated ``__init__`` behind one RequestError for an unknown keyword (Python's
+    TypeError named it, but not what is allowed)."""
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            vllm = "".join(f"{k} is vLLM's: {VLLM_FIELDS[k]}; " for k in unknown if k in VLLM_FIELDS)
+            raise RequestError(
+                f"sampling_params: unknown field(s) {', '.join(unknown)}; {vllm}allowed: {', '.join(sorted(names))}"
+            )
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+SamplingParams.__init__ = _refuse_unknown_fields(SamplingParams.__init__)

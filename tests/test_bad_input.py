@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -184,6 +185,16 @@ def test_bad_sampling_params(params, message):
 def test_vllms_top_k_minus_one_is_no_top_k():
     """vLLM's top_k = -1 ("every token", its default once) is taken, as 0: the same params."""
     assert SamplingParams(top_k=-1) == SamplingParams(top_k=0) == SamplingParams()
+
+
+def test_an_unknown_sampling_field_is_one_error_with_the_allowed_ones():
+    """A vLLM field that is not ours was Python's TypeError; now one RequestError that lists
+    the allowed fields, saying what stands for vLLM's own."""
+    with pytest.raises(RequestError, match=r"unknown field\(s\) spaces_between_special_tokens; allowed: choice, "):
+        SamplingParams(max_tokens=4, spaces_between_special_tokens=False)
+    with pytest.raises(RequestError, match=r"structured_outputs is vLLM's: structured output is json_schema, "):
+        SamplingParams(structured_outputs={"json": "{}"})
+    assert dataclasses.replace(SamplingParams(max_tokens=4), n=2).n == 2  # replace goes through the same init
 
 
 def test_bad_prompts(tiny_model_dir):
