@@ -364,6 +364,23 @@ class LLM:
             for request_id in ids[done:]:  # an abort queued behind its add finds the request
                 handoff.abort(request_id)
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (a Hugging Face tokenizer; vLLM's method)."""
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached prefix that no running request holds and no ``pin`` keeps
+        (vLLM's method: a benchmark's next run then starts cold). True, as vLLM's."""
+
+        def reset(engine) -> bool:
+            engine.scheduler.kv.drop_unpinned_prefixes()
+            return True
+
+        if self.engine.handoff is not None:
+            return self.engine.handoff.call(reset)
+        with self.engine.owned_by_current_thread("an offline LLM.reset_prefix_cache call"):
+            return reset(self.engine)
+
     def stats(self) -> dict[str, int]:
         """Counters: steps, prefill_tokens_computed, decode_tokens, num_preemptions, num_compiles, kv_pages_*.
         On a served LLM they are read on the engine thread, between steps (never half of one)."""

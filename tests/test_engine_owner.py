@@ -333,3 +333,27 @@ def test_vllms_prompt_dicts_and_each_outputs_prompt_offline_and_served(llm):
             llm.generate(bad, GREEDY)
     llm.scheduler.check_integrity()
     assert llm.stats()["kv_pages_held"] == 0
+
+
+def test_reset_prefix_cache_drops_what_no_request_or_pin_keeps_offline_and_served(llm):
+    """vLLM's reset_prefix_cache: the next run starts cold, but a pinned prefix stays; on a
+    served LLM it runs on the engine thread. get_tokenizer is the model's tokenizer."""
+    assert llm.get_tokenizer() is llm.tokenizer
+    pinned, other = rng_tokens(40, 320, seed=21), rng_tokens(40, 320, seed=22)
+    config = ServerConfig(port=0, http_port=None, metrics_port=None, warmup=False)
+    for served in (False, True):
+        with serve_llm(llm, config) if served else contextlib.nullcontext():
+            lease = llm.pin(pinned)
+            llm.generate([other], GREEDY)
+            before = llm.stats()
+            assert before["kv_pages_cached"] > before["kv_pages_pinned"] > 0
+            assert llm.reset_prefix_cache() is True
+            after = llm.stats()
+            assert after["kv_pages_cached"] == after["kv_pages_pinned"] == before["kv_pages_pinned"], served
+            hits = llm.stats()["prefix_cache_hit_tokens"]
+            llm.generate([pinned + [5], other], GREEDY)
+            assert llm.stats()["prefix_cache_hit_tokens"] - hits == 40  # the pinned prompt only
+            assert llm.unpin(lease)
+            llm.reset_prefix_cache()
+            assert llm.stats()["kv_pages_cached"] == 0
+    llm.scheduler.check_integrity()

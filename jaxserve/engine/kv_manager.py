@@ -273,6 +273,11 @@ class KVManager:
         if self.index is not None:
             for lease_id in list(self.leases):
                 self.unpin(lease_id)
+        self.drop_unpinned_prefixes()
+
+    def drop_unpinned_prefixes(self) -> None:
+        """Evicts every cached prefix that no request holds and no lease pins."""
+        if self.index is not None:
             self.index.evict(self.pool.num_pages)
 
     def usage(self, holders: Iterable[Request]) -> dict[str, int]:
