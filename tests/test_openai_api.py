@@ -4,6 +4,7 @@ ports, one engine) called with the official ``openai`` client, sync, async and s
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import re
 
@@ -51,6 +52,18 @@ def test_warming_up_is_503_then_health_and_models(api):
     assert client.models.retrieve("tiny").id == "tiny"  # was FastAPI's own 404
     with pytest.raises(openai.NotFoundError, match="model = 'other': this server serves 'tiny'"):
         client.models.retrieve("other")
+
+
+def test_metrics_and_version_on_the_api_port_as_vllms(api):
+    """vLLM serves /metrics and /version on its API port; a scraper set up for it reads the
+    same Prometheus text here (server.metrics_port is off in this server)."""
+    llm, server, _, base, client, _ = api
+    client.completions.create(model="tiny", prompt="hi", max_tokens=3, extra_body=NO_EOS, **GREEDY)
+    got = httpx.get(f"{base}/metrics")
+    assert got.status_code == 200 and got.headers["content-type"].startswith("text/plain")
+    assert re.search(r"^jaxserve_generation_tokens_total [1-9]", got.text, re.M), got.text[:500]
+    assert f"jaxserve_kv_pages_total {llm.stats()['kv_pages_total']}.0" in got.text
+    assert httpx.get(f"{base}/version").json() == {"version": importlib.metadata.version("jaxserve")}
 
 
 def test_chat_and_completions_match_grpc_and_offline(api):

@@ -9,7 +9,14 @@ from the engine thread after each step; rejections from the servicer as they hap
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -101,6 +108,10 @@ class Metrics:
         """Serves /metrics over HTTP; returns the bound port (0 picks a free one)."""
         self._httpd, _ = start_http_server(port, addr=host, registry=self.registry)
         return self._httpd.server_address[1]
+
+    def exposition(self) -> tuple[bytes, str]:
+        """What /metrics answers (the text and its content type), for a server's own port."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def stop(self) -> None:
         """Closes the /metrics endpoint (no-op if it was never served)."""

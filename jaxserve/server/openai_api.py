@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib.metadata
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -391,6 +392,19 @@ class OpenAIServer:
         @app.get("/health")
         async def health():
             return Response(status_code=200 if self.state() == "serving" else 503)
+
+        # vLLM serves these on its API port: a scraper set up for it finds them here too
+        # (unauthenticated, as vLLM's and server.metrics_port's are).
+        @app.get("/metrics")
+        async def metrics():
+            if self.metrics is None:
+                raise APIError(404, "this server keeps no metrics", code="not_found")
+            body, content_type = self.metrics.exposition()
+            return Response(body, media_type=content_type)
+
+        @app.get("/version")
+        async def version():
+            return {"version": importlib.metadata.version("jaxserve")}
 
         @app.get("/v1/models")
         async def models(request: Request):
