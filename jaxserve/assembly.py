@@ -65,13 +65,15 @@ class EngineHandle:
         field: str = "prompt",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        keep_last: int | None = None,
     ) -> list[int]:
         """Token ids of a text, token-id list or chat message list (template applied),
         shorter than max_model_len; errors name ``field`` (the wire calls it token_ids.ids).
         A chat ends with the assistant's header (``add_generation_prompt``), or with its
         last message left open for the model to go on with (``continue_final_message``), or
-        neither: the turn closed."""
-        return self.encode_with_text(prompt, field, add_generation_prompt, continue_final_message)[0]
+        neither: the turn closed. ``keep_last``: only the prompt's last tokens are kept
+        (vLLM's truncate_prompt_tokens), before the length is checked."""
+        return self.encode_with_text(prompt, field, add_generation_prompt, continue_final_message, keep_last)[0]
 
     def encode_with_text(
         self,
@@ -79,6 +81,7 @@ class EngineHandle:
         field: str = "prompt",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        keep_last: int | None = None,
     ) -> tuple[list[int], str | None]:
         """``encode``'s token ids, and the text they came from: the prompt itself, a chat's
         rendering by the template, or None for token ids (vLLM's ``RequestOutput.prompt``)."""
@@ -107,6 +110,7 @@ class EngineHandle:
                 raise RequestError(f"{field}: {str(e)[:300]}") from None
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         elif isinstance(prompt, list):
+            prompt = prompt[-keep_last:] if keep_last else prompt
             if len(prompt) >= self.max_model_len:  # before a walk of every id: 5M of them took ~1 s
                 raise RequestError(prompt_too_long(field, len(prompt), self.max_model_len))
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -114,6 +118,8 @@ class EngineHandle:
             ids = list(prompt)
         else:
             raise RequestError(NOT_A_PROMPT)
+        if keep_last:
+            ids = ids[-keep_last:]
         check_prompt_ids(ids, self.max_model_len, self.model_config.vocab_size, field)
         return ids, text
 

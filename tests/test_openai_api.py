@@ -66,6 +66,39 @@ def test_metrics_and_version_on_the_api_port_as_vllms(api):
     assert httpx.get(f"{base}/version").json() == {"version": importlib.metadata.version("jaxserve")}
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(api):
+    """vLLM's truncate_prompt_tokens: only the prompt's last k tokens are computed (-1: as
+    many as the context holds), so a prompt longer than the context is answered; a chat's
+    rendering is cut the same way; echo gives the text computed. Bad k: one 400 naming it."""
+    llm, server, _, base, client, _ = api
+    room = llm.handle.max_model_len - 1
+    long = rng_tokens(room + 40, 320, seed=5)
+
+    def complete(prompt, max_tokens=4, echo=False, **extra):
+        return client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, echo=echo, extra_body={**NO_EOS, **extra}, **GREEDY
+        )
+
+    got = complete(long, truncate_prompt_tokens=50)
+    assert got.usage.prompt_tokens == 50 and got.choices[0].text == complete(long[-50:]).choices[0].text
+    with pytest.raises(openai.BadRequestError, match="must be shorter than max_model_len"):
+        complete(long)
+    assert complete(long, max_tokens=1, truncate_prompt_tokens=-1).usage.prompt_tokens == room
+    text = "one two three four five six"
+    ids = llm.handle.encode(text)
+    echoed = complete(text, echo=True, truncate_prompt_tokens=3)
+    assert echoed.usage.prompt_tokens == 3
+    assert echoed.choices[0].text.startswith(llm.handle.tokenizer.decode(ids[-3:]))
+    chat = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=2, extra_body={"truncate_prompt_tokens": 5}, **GREEDY
+    )
+    assert chat.usage.prompt_tokens == 5
+    for bad in (0, -2, room + 1):
+        with pytest.raises(openai.BadRequestError, match=rf"truncate_prompt_tokens = {bad}: must be -1 .* to {room}"):
+            complete(long, truncate_prompt_tokens=bad)
+    assert llm.stats()["kv_pages_held"] == 0
+
+
 def test_chat_and_completions_match_grpc_and_offline(api):
     llm, server, addr, base, client, _ = api
     chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, extra_body=NO_EOS, **GREEDY)

@@ -163,6 +163,8 @@ class SamplingFields(_Body):
     guided_grammar: str | None = None
     structured_outputs: Any = None
     prompt_logprobs: int | None = None
+    # vLLM's: only the prompt's last k tokens are computed (-1: as many as the context holds).
+    truncate_prompt_tokens: int | None = None
 
 
 class CompletionRequest(SamplingFields):
