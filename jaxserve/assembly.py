@@ -59,21 +59,35 @@ class EngineHandle:
         """The bytes of one token of the vocabulary (a piece of a character included)."""
         return self.engine.grammars.token_bytes(token_id)
 
+    def _keep_last(self, k: int | None) -> int | None:
+        """vLLM's truncate_prompt_tokens as the number of the prompt's last tokens to keep."""
+        room = self.max_model_len - 1
+        if k is None or k == -1:
+            return None if k is None else room
+        if not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= room):
+            raise RequestError(
+                f"truncate_prompt_tokens = {k!r}: must be -1 (as many as the context holds) or from 1 to {room} "
+                "(max_model_len - 1: room for a token)"
+            )
+        return k
+
     def encode(
         self,
         prompt: Prompt,
         field: str = "prompt",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        keep_last: int | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[int]:
         """Token ids of a text, token-id list or chat message list (template applied),
         shorter than max_model_len; errors name ``field`` (the wire calls it token_ids.ids).
         A chat ends with the assistant's header (``add_generation_prompt``), or with its
         last message left open for the model to go on with (``continue_final_message``), or
-        neither: the turn closed. ``keep_last``: only the prompt's last tokens are kept
-        (vLLM's truncate_prompt_tokens), before the length is checked."""
-        return self.encode_with_text(prompt, field, add_generation_prompt, continue_final_message, keep_last)[0]
+        neither: the turn closed. ``truncate_prompt_tokens`` (vLLM's): only the prompt's last
+        k tokens are kept, before the length is checked; -1: as many as the context holds."""
+        return self.encode_with_text(
+            prompt, field, add_generation_prompt, continue_final_message, truncate_prompt_tokens
+        )[0]
 
     def encode_with_text(
         self,
@@ -81,10 +95,11 @@ class EngineHandle:
         field: str = "prompt",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        keep_last: int | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> tuple[list[int], str | None]:
         """``encode``'s token ids, and the text they came from: the prompt itself, a chat's
         rendering by the template, or None for token ids (vLLM's ``RequestOutput.prompt``)."""
+        keep_last = self._keep_last(truncate_prompt_tokens)
         text = None
         if isinstance(prompt, str):
             check_text(prompt, field)

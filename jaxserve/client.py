@@ -21,14 +21,23 @@ from jaxserve.server.proto import jaxserve_pb2 as pb
 from jaxserve.server.proto import jaxserve_pb2_grpc as pb_grpc
 
 
-def build_request(prompt, request_id: str = "", pin_s: float | None = None, **sampling) -> pb.GenerateRequest:
+def build_request(
+    prompt,
+    request_id: str = "",
+    pin_s: float | None = None,
+    truncate_prompt_tokens: int | None = None,
+    **sampling,
+) -> pb.GenerateRequest:
     """A GenerateRequest from a text, a token-id list or chat messages, and sampling fields
     (None: not set); ``pin_s``: pin the finished request's tokens in the prefix cache that
-    long (a lease). A value the wire cannot carry is a RequestError naming its field (the
-    server checks the rest)."""
+    long (a lease); ``truncate_prompt_tokens``: compute only the prompt's last k tokens
+    (-1: as many as the context holds). A value the wire cannot carry is a RequestError
+    naming its field (the server checks the rest)."""
     req = pb.GenerateRequest(request_id=request_id)
     if pin_s is not None:
         _assign(req, "pin_s", pin_s, "")
+    if truncate_prompt_tokens is not None:
+        _assign(req, "truncate_prompt_tokens", truncate_prompt_tokens, "")
     if isinstance(prompt, str):
         req.text = prompt
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):

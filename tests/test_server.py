@@ -197,6 +197,8 @@ INVALID = [
     (dict(prompt="hi", pin_s=0.0), r"pin_s = 0.0: must be a number of seconds in \(0, 3600\]"),
     (dict(prompt="hi", pin_s=float("nan")), r"pin_s = nan: must be a number of seconds"),
     (dict(prompt="hi", pin_s=1e9), r"pin_s = 1000000000.0: must be a number of seconds"),
+    (dict(prompt="hi", truncate_prompt_tokens=-2), r"truncate_prompt_tokens = -2: must be -1 \(as many as the c"),
+    (dict(prompt="hi", truncate_prompt_tokens=0), r"truncate_prompt_tokens = 0: must be -1 .* or from 1 to \d+"),
 ]
 
 
@@ -432,6 +434,27 @@ def test_a_prefill_only_request_over_grpc(served):
         parts = list(c.stream(prompt, max_tokens=0, **GREEDY, timeout=60))
         assert parts[-1].finish_reason == pb.FINISH_REASON_LENGTH and not any(p.token_ids for p in parts)
         assert c.generate(prompt + [5, 6], max_tokens=3, **GREEDY, timeout=60).usage.cached_tokens == 70
+    assert llm.stats()["kv_pages_held"] == 0
+
+
+def test_truncate_prompt_tokens_over_grpc(served):
+    """vLLM's truncate_prompt_tokens over gRPC, as over HTTP: only the prompt's last k
+    tokens are computed (-1: as many as the context holds), so a longer prompt is answered,
+    from text, token ids or a chat."""
+    llm, _, addr, _ = served
+    room = llm.handle.max_model_len - 1
+    long = rng_tokens(room + 40, 320, seed=23)
+    with Client(addr) as c:
+        got = c.generate(long, max_tokens=4, truncate_prompt_tokens=50, **GREEDY, timeout=60)
+        assert got.usage.prompt_tokens == 50
+        assert list(got.token_ids) == list(c.generate(long[-50:], max_tokens=4, **GREEDY, timeout=60).token_ids)
+        with pytest.raises(grpc.RpcError, match="must be shorter than max_model_len"):
+            c.generate(long, max_tokens=1, **GREEDY, timeout=60)
+        whole = c.generate(long, max_tokens=1, truncate_prompt_tokens=-1, **GREEDY, timeout=60)
+        assert whole.usage.prompt_tokens == room
+        assert c.generate("one two three", max_tokens=1, truncate_prompt_tokens=2, timeout=60).usage.prompt_tokens == 2
+        chat = [{"role": "user", "content": "hi there"}]
+        assert c.generate(chat, max_tokens=1, truncate_prompt_tokens=3, timeout=60).usage.prompt_tokens == 3
     assert llm.stats()["kv_pages_held"] == 0
 
 

@@ -67,12 +67,12 @@ class RequestPreparer:
         self._ready_token_texts(kwargs)
         if body.max_tokens is not None:
             kwargs["max_tokens"] = body.max_tokens
-        keep_last = self._keep_last(body)
+        truncate = body.truncate_prompt_tokens
         out = []
         for i, p in enumerate(prompts):
             field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            ids = self.encode(p, field, keep_last)
-            whole = isinstance(p, str) and keep_last is None  # else what was computed: the ids' text
+            ids = self.encode(p, field, truncate)
+            whole = isinstance(p, str) and truncate is None  # else what was computed: the ids' text
             echo = (p if whole else self.handle.tokenizer.decode(ids)) if body.echo else ""
             out.append((ids, self._params(kwargs, len(ids), COMPLETION_DEFAULT_MAX_TOKENS, renames), echo))
         return out
@@ -83,7 +83,7 @@ class RequestPreparer:
             raise APIError(400, "tools: tool calling is not supported by this server", param="tools")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: only with logprobs = true", param="top_logprobs")
-        ids = self.chat_ids(body, self._keep_last(body))
+        ids = self.chat_ids(body, body.truncate_prompt_tokens)
         kwargs, renames = self._sampling_kwargs(body)
         if body.logprobs:
             kwargs["logprobs"] = body.top_logprobs or 0
@@ -97,7 +97,7 @@ class RequestPreparer:
             kwargs["max_tokens"] = body.max_tokens
         return ids, self._params(kwargs, len(ids), CHAT_DEFAULT_MAX_TOKENS, renames)
 
-    def chat_ids(self, body: ChatRequest | TokenizeRequest, keep_last: int | None = None) -> list[int]:
+    def chat_ids(self, body: ChatRequest | TokenizeRequest, truncate: int | None = None) -> list[int]:
         """A chat's token ids as vLLM renders it: the assistant's header after the last
         message (add_generation_prompt, the default); nothing after it, the turn closed
         (add_generation_prompt = false); or the last message left open for the model to go
@@ -113,29 +113,15 @@ class RequestPreparer:
         return self.encode(
             messages,
             "messages",
-            keep_last,
+            truncate,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
         )
 
-    def _keep_last(self, body: SamplingFields) -> int | None:
-        """vLLM's truncate_prompt_tokens as the number of the prompt's last tokens to keep."""
-        k, room = body.truncate_prompt_tokens, self.handle.max_model_len - 1
-        if k is None or k == -1:
-            return None if k is None else room
-        if not 1 <= k <= room:
-            raise APIError(
-                400,
-                f"truncate_prompt_tokens = {k}: must be -1 (as many as the context holds) or from 1 to {room} "
-                "(max_model_len - 1: room for a token)",
-                param="truncate_prompt_tokens",
-            )
-        return k
-
-    def encode(self, prompt, field: str, keep_last: int | None = None, **chat) -> list[int]:
+    def encode(self, prompt, field: str, truncate: int | None = None, **chat) -> list[int]:
         """Token ids of a text, id list or chat (``chat``: how it ends, ``EngineHandle.encode``),
-        within the server's prompt limits; ``keep_last``: only the last tokens (vLLM's
-        truncate_prompt_tokens), checked against the limits on tokens after it."""
+        within the server's prompt limits; ``truncate``: vLLM's truncate_prompt_tokens (the
+        limits on tokens apply to what it keeps)."""
         limits = self.limits
         if isinstance(prompt, str):
             if not prompt:
@@ -149,7 +135,7 @@ class RequestPreparer:
         elif not prompt:
             raise APIError(400, f"{field}: the prompt is empty", param=field)
         try:
-            ids = self.handle.encode(prompt, field, keep_last=keep_last, **chat)
+            ids = self.handle.encode(prompt, field, truncate_prompt_tokens=truncate, **chat)
         except jinja2.TemplateError as e:
             raise APIError(
                 400, f"{field}: the model's chat template refuses them: {str(e)[:300]}", param=field

@@ -88,7 +88,9 @@ def checked_params(
 def prompt_ids(
     msg: pb.GenerateRequest, handle: EngineHandle, max_chars: int = ServerConfig.max_prompt_chars
 ) -> list[int]:
-    """Token ids of the request's prompt (text, token ids, or chat with the template)."""
+    """Token ids of the request's prompt (text, token ids, or chat with the template), the
+    last truncate_prompt_tokens of them if set."""
+    truncate = msg.truncate_prompt_tokens if msg.HasField("truncate_prompt_tokens") else None
     kind = msg.WhichOneof("prompt")
     if kind is None:
         raise RequestError("prompt: one of text, token_ids or chat is required")
@@ -97,11 +99,11 @@ def prompt_ids(
             raise RequestError("text: the prompt is empty")
         if len(msg.text) > max_chars:
             raise RequestError(f"text: {len(msg.text)} characters; at most {max_chars} (server.max_prompt_chars)")
-        return handle.encode(msg.text, "text")
+        return handle.encode(msg.text, "text", truncate_prompt_tokens=truncate)
     if kind == "token_ids":
         if not msg.token_ids.ids:
             raise RequestError("token_ids: the prompt is empty")
-        return handle.encode(list(msg.token_ids.ids), "token_ids.ids")
+        return handle.encode(list(msg.token_ids.ids), "token_ids.ids", truncate_prompt_tokens=truncate)
     messages = []
     if not msg.chat.messages:
         raise RequestError("chat.messages: at least one message is required")
@@ -115,7 +117,7 @@ def prompt_ids(
         if total > max_chars:
             raise RequestError(f"chat.messages: over {max_chars} characters in all (server.max_prompt_chars)")
     try:
-        return handle.encode(messages, "chat.messages")
+        return handle.encode(messages, "chat.messages", truncate_prompt_tokens=truncate)
     except jinja2.TemplateError as e:  # e.g. "roles must alternate user/assistant"
         raise RequestError(f"chat.messages: the model's chat template refuses them: {str(e)[:300]}") from None
 
