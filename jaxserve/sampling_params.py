@@ -276,7 +276,7 @@ VLLM_FIELDS = {
     "prompt_logprob_start": "the first scored prompt token is prompt_logprobs_start",
     "detokenize": "the output is always detokenized (token_ids has the ids)",
     "output_kind": "LLM.stream gives deltas, generate whole outputs",
-    "truncate_prompt_tokens": "a request's own field over HTTP and gRPC; offline, pass the ids' tail (llm.encode(p)[-k:])",
+    "truncate_prompt_tokens": "a request's own field over HTTP and gRPC; offline, pass the ids' tail (llm.get_tokenizer().encode(p)[-k:])",
 }
 
 
