@@ -145,9 +145,9 @@ class LLM:
         vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``; shorter than max_model_len."""
         return self._encode_with_text(prompt)[0]
 
-    def _encode_with_text(self, prompt: Prompt | dict, field: str = "prompt") -> tuple[list[int], str | None]:
+    def _encode_with_text(self, prompt: Prompt | dict, field: str = "prompt", **chat) -> tuple[list[int], str | None]:
         if not isinstance(prompt, dict):
-            return self.handle.encode_with_text(prompt, field)
+            return self.handle.encode_with_text(prompt, field, **chat)
         unknown = sorted(map(str, set(prompt) - set(PROMPT_DICT_KEYS)))
         if unknown or not prompt:
             raise RequestError(
@@ -199,9 +199,12 @@ class LLM:
         """
         return self._generate(self._as_list(prompts), sampling_params, use_tqdm, "prompts")
 
-    def _generate(self, prompts: list[Prompt], sampling_params, use_tqdm: bool, what: str) -> list[RequestOutput]:
-        """``generate`` of a list of prompts; refusals name ``what[i]``."""
-        encoded = [self._encode_with_text(p, f"{what}[{i}]") for i, p in enumerate(prompts)]
+    def _generate(
+        self, prompts: list[Prompt], sampling_params, use_tqdm: bool, what: str, chat: dict | None = None
+    ) -> list[RequestOutput]:
+        """``generate`` of a list of prompts; refusals name ``what[i]``; ``chat``: how a
+        conversation ends (``EngineHandle.encode``)."""
+        encoded = [self._encode_with_text(p, f"{what}[{i}]", **(chat or {})) for i, p in enumerate(prompts)]
         params = self._params_per_prompt(sampling_params, len(encoded))
         # n > 1: one request per sample, all at once (the scheduler computes their shared
         # prompt once: the others fork from the first when it finishes the prompt).
@@ -253,17 +256,29 @@ class LLM:
         messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = False,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Replies to one conversation (a list of ``{"role", "content"}`` messages) or to each
         of several (a list of such lists: vLLM's ``messages``), through the model's chat
-        template; outputs in order."""
+        template; outputs in order. As vLLM's: a conversation ends with the assistant's
+        header (``add_generation_prompt``), or its last message is left open for the model
+        to go on with (``continue_final_message``, with add_generation_prompt False: an
+        assistant prefill such as "Sure, the JSON: {")."""
+        if continue_final_message and add_generation_prompt:
+            raise RequestError(
+                "continue_final_message = True: only with add_generation_prompt = False (the last message is "
+                "continued, not answered)"
+            )
         conversations = self._as_list(messages, "messages")
         for i, c in enumerate(conversations):
             if not (isinstance(c, list) and c and all(isinstance(m, dict) for m in c)):
                 raise RequestError(
                     f"messages[{i}]: a conversation must be a non-empty list of {{role, content}} messages"
                 )
-        return self._generate(conversations, sampling_params, use_tqdm, "messages")
+        chat = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        return self._generate(conversations, sampling_params, use_tqdm, "messages", chat)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields text deltas of one completion as tokens are generated."""

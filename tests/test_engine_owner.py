@@ -357,3 +357,21 @@ def test_reset_prefix_cache_drops_what_no_request_or_pin_keeps_offline_and_serve
             llm.reset_prefix_cache()
             assert llm.stats()["kv_pages_cached"] == 0
     llm.scheduler.check_integrity()
+
+
+def test_chat_takes_vllms_add_generation_prompt_and_continue_final_message(llm):
+    """LLM.chat's conversation ends as vLLM's chat has it: the assistant's header (the
+    default), the turn closed, or its last message left open for the model to continue (an
+    assistant prefill), each the ids the HTTP API renders for the same body."""
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: {"}]
+    encode = llm.handle.encode
+    cases = [({}, {}), ({"add_generation_prompt": False}, {"add_generation_prompt": False})]
+    cases.append(({"add_generation_prompt": False, "continue_final_message": True},) * 2)
+    for given, rendered in cases:
+        out = llm.chat(conv, GREEDY, **given)[0]
+        assert out.prompt_token_ids == encode(conv, **rendered), given
+    assert len({tuple(llm.chat(conv, GREEDY, **g)[0].prompt_token_ids) for g, _ in cases}) == 3
+    assert llm.chat(conv, GREEDY, add_generation_prompt=False, continue_final_message=True)[0].prompt.endswith("{")
+    with pytest.raises(RequestError, match="continue_final_message = True: only with add_generation_prompt = False"):
+        llm.chat(conv, GREEDY, continue_final_message=True)
+    assert llm.stats()["kv_pages_held"] == 0
