@@ -71,23 +71,9 @@ class EngineHandle:
             )
         return k
 
-    def encode(
-        self,
-        prompt: Prompt,
-        field: str = "prompt",
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        truncate_prompt_tokens: int | None = None,
-    ) -> list[int]:
-        """Token ids of a text, token-id list or chat message list (template applied),
-        shorter than max_model_len; errors name ``field`` (the wire calls it token_ids.ids).
-        A chat ends with the assistant's header (``add_generation_prompt``), or with its
-        last message left open for the model to go on with (``continue_final_message``), or
-        neither: the turn closed. ``truncate_prompt_tokens`` (vLLM's): only the prompt's last
-        k tokens are kept, before the length is checked; -1: as many as the context holds."""
-        return self.encode_with_text(
-            prompt, field, add_generation_prompt, continue_final_message, truncate_prompt_tokens
-        )[0]
+    def encode(self, prompt: Prompt, field: str = "prompt", **options: Any) -> list[int]:
+        """``encode_with_text``'s token ids alone."""
+        return self.encode_with_text(prompt, field, **options)[0]
 
     def encode_with_text(
         self,
@@ -97,8 +83,14 @@ class EngineHandle:
         continue_final_message: bool = False,
         truncate_prompt_tokens: int | None = None,
     ) -> tuple[list[int], str | None]:
-        """``encode``'s token ids, and the text they came from: the prompt itself, a chat's
-        rendering by the template, or None for token ids (vLLM's ``RequestOutput.prompt``)."""
+        """Token ids of a text, token-id list or chat message list (template applied),
+        shorter than max_model_len; errors name ``field`` (the wire calls it token_ids.ids).
+        A chat ends with the assistant's header (``add_generation_prompt``), or with its
+        last message left open for the model to go on with (``continue_final_message``), or
+        neither: the turn closed. ``truncate_prompt_tokens`` (vLLM's): only the prompt's last
+        k tokens are kept, before the length is checked; -1: as many as the context holds.
+        With them, the text they came from: the prompt itself, a chat's rendering by the
+        template, or None for token ids (vLLM's ``RequestOutput.prompt``)."""
         keep_last = self._keep_last(truncate_prompt_tokens)
         text = None
         if isinstance(prompt, str):
