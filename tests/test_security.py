@@ -101,6 +101,9 @@ def test_the_http_api_takes_the_same_tls_and_tokens(secured, pki):
             refused = http.post(f"{url}/v1/chat/completions", json={"messages": 5}, headers=headers)
             assert refused.status_code == 401, refused.text
         assert http.get(f"{url}/v1/models").status_code == 401
+        for route in ("/metrics", "/version"):  # vLLM leaves them open; here a token, as the API's
+            assert http.get(f"{url}{route}").status_code == 401
+            assert http.get(f"{url}{route}", headers={"Authorization": f"Bearer {ALICE}"}).status_code == 200
         assert http.get(f"{url}/health").status_code == 200  # open, as gRPC health is
     no_client_cert = ssl.create_default_context(cafile=str(pki["ca_cert"]))
     for client in (httpx.Client(verify=no_client_cert), httpx.Client()):

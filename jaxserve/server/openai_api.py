@@ -393,17 +393,20 @@ class OpenAIServer:
         async def health():
             return Response(status_code=200 if self.state() == "serving" else 503)
 
-        # vLLM serves these on its API port: a scraper set up for it finds them here too
-        # (unauthenticated, as vLLM's and server.metrics_port's are).
+        # vLLM serves these on its API port: a scraper set up for it finds them here too.
+        # With auth tokens they need one, as every route but /health (vLLM leaves them open;
+        # an API port that asks strangers for a token should not tell them its load).
         @app.get("/metrics")
-        async def metrics():
+        async def metrics(request: Request):
+            self._client(request)
             if self.metrics is None:
                 raise APIError(404, "this server keeps no metrics", code="not_found")
             body, content_type = self.metrics.exposition()
             return Response(body, media_type=content_type)
 
         @app.get("/version")
-        async def version():
+        async def version(request: Request):
+            self._client(request)
             return {"version": importlib.metadata.version("jaxserve")}
 
         @app.get("/v1/models")
