@@ -62,8 +62,10 @@ class EngineHandle:
     def _keep_last(self, k: int | None) -> int | None:
         """vLLM's truncate_prompt_tokens as the number of the prompt's last tokens to keep."""
         room = self.max_model_len - 1
-        if k is None or k == -1:
-            return None if k is None else room
+        if k is None:
+            return None
+        if k == -1:
+            return room
         if not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= room):
             raise RequestError(
                 f"truncate_prompt_tokens = {k!r}: must be -1 (as many as the context holds) or from 1 to {room} "

@@ -70,11 +70,9 @@ class PinnedPrefix:
     num_cached_tokens: int  # of which were cached already (not computed by the pin)
 
 
-def _output(r: Request, prompt: str | None, index: int) -> RequestOutput:
+def _output(r: Request) -> RequestOutput:
     want = r.params.logprobs is not None
     return RequestOutput(
-        prompt=prompt,
-        index=index,
         prompt_token_ids=r.prompt_token_ids,
         token_ids=r.output_token_ids,
         text=r.output_text,
@@ -208,30 +206,27 @@ class LLM:
         params = self._params_per_prompt(sampling_params, len(encoded))
         # n > 1: one request per sample, all at once (the scheduler computes their shared
         # prompt once: the others fork from the first when it finishes the prompt).
-        flat = [
-            (ids, sp, text, index)
-            for (ids, text), p in zip(encoded, params, strict=True)
-            for index, sp in enumerate(p.samples())
-        ]
+        flat = [(ids, sp) for (ids, _), p in zip(encoded, params, strict=True) for sp in p.samples()]
         with tqdm(total=len(flat), desc="requests", unit="req", disable=not use_tqdm) as bar:
             if self.engine.handoff is not None:
                 outs = []
-                for sub, delta in self._served([f[0] for f in flat], [f[1] for f in flat]):
+                for sub, delta in self._served([ids for ids, _ in flat], [sp for _, sp in flat]):
                     if delta.finish_reason:
-                        text, index = flat[len(outs)][2:]
-                        outs.append(_output(sub.request, text, index))
+                        outs.append(_output(sub.request))
                         bar.update()  # in prompt order: a later request's end shows when those before it ended
             else:
                 with self.engine.owned_by_current_thread("an offline LLM.generate call"):
-                    requests = [self.engine.add_request(ids, sp) for ids, sp, _, _ in flat]
+                    requests = [self.engine.add_request(ids, sp) for ids, sp in flat]
                     for _ in self._steps(requests):
                         if use_tqdm:
                             bar.update(sum(r.status.is_finished for r in requests) - bar.n)
-                outs = [_output(r, text, index) for r, (_, _, text, index) in zip(requests, flat, strict=True)]
+                outs = [_output(r) for r in requests]
             bar.update(len(flat) - bar.n)
         grouped, i = [], 0
-        for p in params:
+        for (_, text), p in zip(encoded, params, strict=True):
             samples, i = outs[i : i + p.n], i + p.n
+            for index, sample in enumerate(samples):
+                sample.prompt, sample.index = text, index
             grouped.append(dataclasses.replace(samples[0], samples=samples) if p.n > 1 else samples[0])
         return grouped
 

@@ -18,6 +18,7 @@ from tests.conftest import rng_tokens, serve_llm, wait_until
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 OPTIONS = dict(dtype="float32", page_size=16, num_pages=300, max_num_seqs=8, max_num_batched_tokens=64)
+SERVED = ServerConfig(port=0, http_port=None, metrics_port=None, warmup=False)  # gRPC only, no warm-up
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +57,7 @@ def test_a_served_llm_steps_only_on_the_engine_thread(llm):
     prompts = [rng_tokens(6 + 5 * i, 320, seed=i) for i in range(6)]
     expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     expected_text = llm.generate([prompts[0]], GREEDY)[0].text
-    config = ServerConfig(port=0, http_port=None, metrics_port=None, warmup=False)
-    with serve_llm(llm, config) as (server, addr):
+    with serve_llm(llm, SERVED) as (server, addr):
         seen = _record_stepping_threads(llm)
         try:
             assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
@@ -86,8 +86,7 @@ def test_offline_and_grpc_traffic_at_once_give_the_same_tokens(llm):
     serial result, and the pool is whole afterwards (two steppers corrupt both)."""
     prompts = [rng_tokens(10 + 3 * i, 320, seed=50 + i) for i in range(12)]
     expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    config = ServerConfig(port=0, http_port=None, metrics_port=None, warmup=False)
-    with serve_llm(llm, config) as (_, addr):
+    with serve_llm(llm, SERVED) as (_, addr):
         remote: list = []
 
         def client_side():
@@ -124,9 +123,8 @@ def test_a_second_thread_cannot_drive_an_engine_in_use(llm):
 def test_a_server_cannot_start_over_an_engine_in_use(llm):
     stream = llm.stream([5, 6, 7, 8], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     next(stream)
-    config = ServerConfig(port=0, http_port=None, metrics_port=None, warmup=False)
     with pytest.raises(EngineBusyError, match="an offline LLM.stream call"):
-        with serve_llm(llm, config):
+        with serve_llm(llm, SERVED):
             pass
     stream.close()
     assert llm.stats()["kv_pages_held"] == 0
@@ -296,8 +294,7 @@ def test_use_tqdm_counts_the_requests_offline_and_served(llm, capsys):
     assert "requests" not in capsys.readouterr().err
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=True)] == expected
     assert "requests: 100%" in capsys.readouterr().err
-    config = ServerConfig(port=0, http_port=None, metrics_port=None, warmup=False)
-    with serve_llm(llm, config):
+    with serve_llm(llm, SERVED):
         assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=True)] == expected
         assert "5/5" in capsys.readouterr().err
 
@@ -313,9 +310,8 @@ def test_vllms_prompt_dicts_and_each_outputs_prompt_offline_and_served(llm):
     plain = llm.generate([text, ids, chat], GREEDY)
     assert [o.prompt for o in plain] == [text, None, rendered]
     as_dicts = [{"prompt": text}, {"prompt_token_ids": ids, "prompt": "its text"}, chat]
-    config = ServerConfig(port=0, http_port=None, metrics_port=None, warmup=False)
     for served in (False, True):
-        with serve_llm(llm, config) if served else contextlib.nullcontext():
+        with serve_llm(llm, SERVED) if served else contextlib.nullcontext():
             outs = llm.generate(as_dicts, GREEDY)
             assert [o.token_ids for o in outs] == [o.token_ids for o in plain], served
             assert [o.prompt for o in outs] == [text, "its text", rendered]
@@ -340,9 +336,8 @@ def test_reset_prefix_cache_drops_what_no_request_or_pin_keeps_offline_and_serve
     served LLM it runs on the engine thread. get_tokenizer is the model's tokenizer."""
     assert llm.get_tokenizer() is llm.tokenizer
     pinned, other = rng_tokens(40, 320, seed=21), rng_tokens(40, 320, seed=22)
-    config = ServerConfig(port=0, http_port=None, metrics_port=None, warmup=False)
     for served in (False, True):
-        with serve_llm(llm, config) if served else contextlib.nullcontext():
+        with serve_llm(llm, SERVED) if served else contextlib.nullcontext():
             lease = llm.pin(pinned)
             llm.generate([other], GREEDY)
             before = llm.stats()
