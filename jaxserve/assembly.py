@@ -35,6 +35,46 @@ from jaxserve.runner.model_runner import ModelRunner
 ChatMessages = list[dict[str, str]]
 Prompt = str | list[int] | ChatMessages
 NOT_A_PROMPT = "a prompt must be a string, a list of token ids, or a list of chat messages"
+# apply_chat_template's own parameters, and the variables it sets from them: a
+# chat_template_kwargs entry by one of these names would not reach the template as a variable
+# (or would fight the request's own field for it).
+RESERVED_TEMPLATE_NAMES = (
+    "add_generation_prompt",
+    "chat_template",
+    "continue_final_message",
+    "conversation",
+    "documents",
+    "max_length",
+    "messages",
+    "padding",
+    "return_assistant_tokens_mask",
+    "return_dict",
+    "return_tensors",
+    "tokenize",
+    "tokenizer_kwargs",
+    "tools",
+    "truncation",
+)
+
+
+def template_variables(chat_template_kwargs: Any) -> dict[str, Any]:
+    """vLLM's ``chat_template_kwargs``, checked: a mapping of variable names to values for the
+    chat template ({} for None).
+
+    Raises:
+        RequestError: not a mapping of names, or a reserved name.
+    """
+    if chat_template_kwargs is None:
+        return {}
+    if not isinstance(chat_template_kwargs, dict) or not all(isinstance(k, str) for k in chat_template_kwargs):
+        raise RequestError("chat_template_kwargs: a mapping of the chat template's variable names to their values")
+    for name in chat_template_kwargs:
+        if name in RESERVED_TEMPLATE_NAMES:
+            raise RequestError(
+                f"chat_template_kwargs.{name}: not a variable this server passes to the template (a request "
+                f"field or apply_chat_template's own); reserved: {', '.join(RESERVED_TEMPLATE_NAMES)}"
+            )
+    return dict(chat_template_kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,12 +124,14 @@ class EngineHandle:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         truncate_prompt_tokens: int | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], str | None]:
         """Token ids of a text, token-id list or chat message list (template applied),
         shorter than max_model_len; errors name ``field`` (the wire calls it token_ids.ids).
         A chat ends with the assistant's header (``add_generation_prompt``), or with its
         last message left open for the model to go on with (``continue_final_message``), or
-        neither: the turn closed. ``truncate_prompt_tokens`` (vLLM's): only the prompt's last
+        neither: the turn closed; ``chat_template_kwargs`` (vLLM's): more variables for the
+        template, such as Qwen3's ``enable_thinking``. ``truncate_prompt_tokens`` (vLLM's): only the prompt's last
         k tokens are kept, before the length is checked; -1: as many as the context holds.
         With them, the text they came from: the prompt itself, a chat's rendering by the
         template, or None for token ids (vLLM's ``RequestOutput.prompt``)."""
@@ -108,12 +150,14 @@ class EngineHandle:
                 raise RequestError(
                     f"{field}: this model's tokenizer has no chat template; send the prompt as text or token ids"
                 )
+            variables = template_variables(chat_template_kwargs)
             try:
                 text = self.tokenizer.apply_chat_template(
                     prompt,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
                     tokenize=False,
+                    **variables,
                 )
             except ValueError as e:  # continue_final_message: the last message's text is not in what it gives
                 raise RequestError(f"{field}: {str(e)[:300]}") from None

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from tqdm.auto import tqdm
 
-from jaxserve.assembly import ChatMessages, EngineHandle, Prompt, assemble
+from jaxserve.assembly import ChatMessages, EngineHandle, Prompt, assemble, template_variables
 from jaxserve.config import EngineConfig
 from jaxserve.engine.async_engine import EngineStoppedError
 from jaxserve.engine.request import Request
@@ -254,13 +254,15 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Replies to one conversation (a list of ``{"role", "content"}`` messages) or to each
         of several (a list of such lists: vLLM's ``messages``), through the model's chat
         template; outputs in order. As vLLM's: a conversation ends with the assistant's
         header (``add_generation_prompt``), or its last message is left open for the model
         to go on with (``continue_final_message``, with add_generation_prompt False: an
-        assistant prefill such as "Sure, the JSON: {")."""
+        assistant prefill such as "Sure, the JSON: {"); ``chat_template_kwargs`` sets more
+        of the template's variables (Qwen3's ``{"enable_thinking": False}``)."""
         if continue_final_message and add_generation_prompt:
             raise RequestError(
                 "continue_final_message = True: only with add_generation_prompt = False (the last message is "
@@ -272,7 +274,11 @@ class LLM:
                 raise RequestError(
                     f"messages[{i}]: a conversation must be a non-empty list of {{role, content}} messages"
                 )
-        chat = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        chat = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "chat_template_kwargs": template_variables(chat_template_kwargs),
+        }
         return self._generate(conversations, sampling_params, use_tqdm, "messages", chat)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:

@@ -626,6 +626,115 @@ def test_a_chat_for_a_model_without_a_chat_template_is_one_400(api, monkeypatch)
         llm.generate([CHAT], SamplingParams(max_tokens=2))
 
 
+def test_chat_template_kwargs_set_the_templates_variables(api, monkeypatch):
+    """vLLM's chat_template_kwargs (Qwen3's {"enable_thinking": false}) reach the template as
+    variables, on chats and /tokenize alike; a name the request sets itself is one 400."""
+    llm, server, addr, base, client, _ = api
+    tok = llm.handle.tokenizer
+    switch = "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    monkeypatch.setattr(tok, "chat_template", tok.chat_template + switch)
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    plain = httpx.post(f"{base}/tokenize", json={"messages": CHAT}).json()["tokens"]
+    thinking_off = httpx.post(f"{base}/tokenize", json={"messages": CHAT, **off}).json()["tokens"]
+    assert tok.decode(thinking_off) == tok.decode(plain) + "<think></think>"
+    on = httpx.post(f"{base}/tokenize", json={"messages": CHAT, "chat_template_kwargs": {"enable_thinking": True}})
+    assert on.json()["tokens"] == plain
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, extra_body=off, **GREEDY)
+    assert chat.usage.prompt_tokens == len(thinking_off)
+    assert [o.prompt_token_ids for o in llm.chat(CHAT, SamplingParams(max_tokens=1), **off)] == [thinking_off]
+    for kwargs, param in (
+        ({"tokenize": True}, "tokenize"),
+        ({"add_generation_prompt": False}, "add_generation_prompt"),
+    ):
+        r = httpx.post(
+            f"{base}/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "chat_template_kwargs": kwargs}
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith(f"chat_template_kwargs.{param}: not a variable"), r.text
+    with pytest.raises(RequestError, match="chat_template_kwargs.messages: not a variable"):
+        llm.chat(CHAT, SamplingParams(max_tokens=1), chat_template_kwargs={"messages": []})
+    assert llm.stats()["kv_pages_held"] == 0
+
+
+def _events(base: str, path: str, body: dict) -> list[dict]:
+    """A streamed response's chunks, as JSON, up to [DONE]."""
+    with httpx.stream("POST", f"{base}{path}", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_return_token_ids_gives_the_prompts_and_outputs_ids_as_vllm(api):
+    """vLLM's return_token_ids (RL trainers read them): a completion's choices carry the
+    prompt's and their own token ids, a chat's response the prompt's and each choice its
+    own; streamed, each chunk its own ids and the first the prompt's, adding up to the
+    whole response's."""
+    llm, server, addr, base, client, _ = api
+    prompt = "The capital of France"
+    offline = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    completion = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "return_token_ids": True, **NO_EOS, **GREEDY}
+    (choice,) = httpx.post(f"{base}/v1/completions", json=completion).json()["choices"]
+    assert choice["prompt_token_ids"] == llm.handle.encode(prompt)
+    assert choice["token_ids"] == offline.token_ids and choice["text"] == offline.text
+    chunks = [c["choices"][0] for c in _events(base, "/v1/completions", completion) if c["choices"]]
+    assert [c.get("prompt_token_ids") for c in chunks] == [llm.handle.encode(prompt)] + [None] * (len(chunks) - 1)
+    assert [t for c in chunks for t in c["token_ids"]] == offline.token_ids
+
+    chat = {"model": "tiny", "messages": CHAT, "max_tokens": 5, "return_token_ids": True, **NO_EOS, **GREEDY}
+    whole = httpx.post(f"{base}/v1/chat/completions", json=chat).json()
+    assert whole["prompt_token_ids"] == llm.handle.encode(CHAT)
+    ids = whole["choices"][0]["token_ids"]
+    answered = llm.generate([whole["prompt_token_ids"]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert ids == answered[0].token_ids and whole["choices"][0]["message"]["content"] == answered[0].text
+    streamed = _events(base, "/v1/chat/completions", chat)
+    assert streamed[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in streamed[1:])
+    assert [t for c in streamed[1:] for t in c["choices"][0]["token_ids"]] == ids
+    plain = httpx.post(f"{base}/v1/completions", json={**completion, "return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+    assert llm.stats()["kv_pages_held"] == 0
+
+
+def test_vllm_fields_not_implemented_are_refused_not_dropped(api):
+    """A vLLM field this server does not implement, set to anything but vLLM's default, is
+    one 400 naming it and what stands for it here: dropped like an unknown field, it would
+    change the output unannounced (allowed_token_ids unconstrained, a cache_salt's
+    isolation absent). vLLM's defaults pass, and completions' own echo is not touched."""
+    llm, server, addr, base, client, _ = api
+    chat = {"model": "tiny", "messages": CHAT, "max_tokens": 2}
+    completion = {"model": "tiny", "prompt": "The capital", "max_tokens": 2}
+    refused = [
+        ("chat", "allowed_token_ids", [5, 6], "logit_bias, or a structured output"),
+        ("completions", "bad_words", ["Paris"], "logit_bias of -100"),
+        ("completions", "use_beam_search", True, "no beam search"),
+        ("chat", "cache_salt", "tenant-a", "the prefix cache is shared by every request"),
+        ("chat", "echo", True, "/v1/completions' echo is"),
+        ("chat", "chat_template", "{{ messages }}", "the model's own template"),
+        ("completions", "prompt_embeds", "AAAA", "prompts are text or token ids"),
+        ("completions", "truncation_side", "right", "keeps a prompt's last tokens"),
+        ("chat", "priority", 5, "first come, first served"),
+    ]
+    for endpoint, field, value, why in refused:
+        body = {**(chat if endpoint == "chat" else completion), field: value}
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        r = httpx.post(f"{base}{path}", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+        message = r.json()["error"]["message"]
+        assert message.startswith(f"{field} = {json.dumps(value)}: vLLM's field") and why in message, message
+    defaults = {
+        "spaces_between_special_tokens": True,
+        "priority": 0,
+        "length_penalty": 1.0,
+        "truncation_side": "left",
+        "use_beam_search": False,
+        "allowed_token_ids": None,
+        "bad_words": [],
+    }
+    assert httpx.post(f"{base}/v1/chat/completions", json={**chat, **defaults, "echo": False}).status_code == 200
+    echoed = httpx.post(f"{base}/v1/completions", json={**completion, **defaults, "echo": True})
+    assert echoed.status_code == 200 and echoed.json()["choices"][0]["text"].startswith("The capital")
+    assert llm.stats()["kv_pages_held"] == 0
+
+
 def test_tokenize_and_detokenize(api):
     llm, server, addr, base, client, _ = api
     ids = llm.handle.encode("Deep learning")
@@ -652,6 +761,48 @@ def test_tokenize_and_detokenize(api):
 def _wait_until_idle(llm, server) -> None:
     idle = lambda: not server.engine_thread.num_active and not llm.stats()["kv_pages_held"]  # noqa: E731
     wait_until(idle, "no request in the engine and no page held", detail=llm.stats)
+
+
+def test_continuous_usage_stats_counts_every_chunk_as_vllm(api):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries
+    its choice's counts so far (a benchmark client counts tokens from them), chats and
+    completions alike, n > 1 included; without include_usage it does nothing, as there."""
+    llm, server, _, base, client, _ = api
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    prompt = "The capital of France"
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=6, n=2, logprobs=1, stream=True, stream_options=options,
+            extra_body=NO_EOS, temperature=1.0, seed=3,
+        )
+    )  # fmt: skip
+    prompt_tokens = len(llm.handle.encode(prompt))
+    generated = {0: 0, 1: 0}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        generated[choice.index] += len(choice.logprobs.tokens)  # this chunk's tokens
+        assert c.usage.prompt_tokens == prompt_tokens
+        assert c.usage.completion_tokens == generated[choice.index]
+        assert c.usage.total_tokens == prompt_tokens + generated[choice.index]
+    assert generated == {0: 6, 1: 6}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    chat = list(
+        client.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=5, stream=True, stream_options=options, extra_body=NO_EOS, **GREEDY
+        )
+    )
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    steps = [c.usage.completion_tokens for c in chat[1:-1]]
+    assert steps == sorted(steps) and steps[-1] == 5 and chat[-1].usage.completion_tokens == 5
+    assert all(c.usage.prompt_tokens == chat[-1].usage.prompt_tokens for c in chat)
+    plain = list(
+        client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=3, stream=True, stream_options={"include_usage": False,
+            "continuous_usage_stats": True}, extra_body=NO_EOS, **GREEDY,
+        )
+    )  # fmt: skip
+    assert all(c.usage is None for c in plain)
+    assert llm.stats()["kv_pages_held"] == 0
 
 
 def test_a_disconnected_stream_or_call_frees_its_pages(api):

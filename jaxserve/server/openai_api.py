@@ -43,12 +43,21 @@ from jaxserve.server.openai_protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    StreamOptions,
     TokenizeRequest,
     bad_request,
     validation_error,
 )
-from jaxserve.server.openai_reply import ReplyFormatter, event, gather, sse, usage
+from jaxserve.server.openai_reply import ReplyFormatter, event, gather, running_usage, sse, usage
 from jaxserve.server.submit import merged, sample_ids, submit_all
+
+
+def _stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:
+    """A stream's usage: (a usage field in every chunk and the counts in a last one, the
+    counts so far in every chunk). The second is vLLM's ``continuous_usage_stats``, which
+    takes effect with ``include_usage`` only, as there."""
+    include = options is not None and options.include_usage
+    return include, include and options.continuous_usage_stats
 
 
 class OpenAIServer:
@@ -200,15 +209,17 @@ class OpenAIServer:
         with_logprobs = body.logprobs is not None
         deltas = self._deltas(engine_ids, queues)
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            include_usage, continuous = _stream_usage(body.stream_options)
 
             async def events():
                 finals: dict[int, Delta] = {}
                 offsets = [len(prepared[i // n][2]) for i in range(len(engine_ids))]
+                generated = [0] * len(engine_ids)  # each choice's tokens so far
                 echoed = set()
                 async for i, d in deltas:
-                    text = d.text
-                    if i not in echoed and prepared[i // n][2]:
+                    generated[i] += len(d.token_ids)
+                    text, first = d.text, i not in echoed
+                    if first and prepared[i // n][2]:
                         text = prepared[i // n][2] + text
                     echoed.add(i)
                     choice = {
@@ -219,12 +230,17 @@ class OpenAIServer:
                         else None,
                         "finish_reason": d.finish_reason,
                     }
+                    if body.return_token_ids:  # as vLLM: the prompt's with each choice's first chunk
+                        choice["token_ids"] = d.token_ids
+                        if first:
+                            choice["prompt_token_ids"] = prepared[i // n][0]
                     offsets[i] += len(d.text)
                     if d.finish_reason is not None:
                         finals[i] = d
                         choice["stop_reason"] = self.reply.stop_reason(d.stop_reason, prepared[i // n][1])
                     if text or d.token_ids or d.finish_reason is not None:
-                        yield event({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
+                        chunk_usage = running_usage(len(prepared[i // n][0]), generated[i]) if continuous else None
+                        yield event({**head, "choices": [choice], **({"usage": chunk_usage} if include_usage else {})})
                 if include_usage:
                     yield event({**head, "choices": [], "usage": usage(finals, n)})
 
@@ -252,6 +268,8 @@ class OpenAIServer:
                 choice["stop_reason"] = self.reply.stop_reason(c.final.stop_reason, prepared[i // n][1])
                 if body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self.reply.prompt_logprobs(prepared[i // n][0], c.final)
+                if body.return_token_ids:
+                    choice["prompt_token_ids"], choice["token_ids"] = prepared[i // n][0], c.token_ids
                 choices.append(choice)
             return {**head, "choices": choices, "usage": usage({i: c.final for i, c in enumerate(gathered)}, n)}
 
@@ -270,18 +288,28 @@ class OpenAIServer:
         head = {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name}
         deltas = self._deltas(engine_ids, queues)
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            include_usage, continuous = _stream_usage(body.stream_options)
             chunk_head = {**head, "object": "chat.completion.chunk"}
-            usage_null = {"usage": None} if include_usage else {}
+            generated = [0] * n  # each choice's tokens so far
+
+            def chunk_usage(i: int) -> dict:
+                if not include_usage:
+                    return {}
+                return {"usage": running_usage(len(ids), generated[i]) if continuous else None}
 
             async def events():
                 for i in range(n):  # each choice opens with its role, as OpenAI's do
                     choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-                    yield event({**chunk_head, "choices": [{**choice, "finish_reason": None}], **usage_null})
+                    # vLLM's return_token_ids: the prompt's ids with the first chunk
+                    ids_first = {"prompt_token_ids": ids} if body.return_token_ids and i == 0 else {}
+                    yield event(
+                        {**chunk_head, "choices": [{**choice, "finish_reason": None}], **chunk_usage(i), **ids_first}
+                    )
                 finals: dict[int, Delta] = {}
                 async for i, d in deltas:
                     if not (d.text or d.token_ids or d.finish_reason is not None):
                         continue
+                    generated[i] += len(d.token_ids)
                     choice = {
                         "index": i,
                         "delta": {"content": d.text} if d.text else {},
@@ -293,7 +321,9 @@ class OpenAIServer:
                     if d.finish_reason is not None:
                         finals[i] = d
                         choice["stop_reason"] = self.reply.stop_reason(d.stop_reason, params)
-                    yield event({**chunk_head, "choices": [choice], **usage_null})
+                    if body.return_token_ids:
+                        choice["token_ids"] = d.token_ids
+                    yield event({**chunk_head, "choices": [choice], **chunk_usage(i)})
                 if include_usage:
                     yield event({**chunk_head, "choices": [], "usage": usage(finals, n)})
 
@@ -312,8 +342,12 @@ class OpenAIServer:
                 }
                 if body.logprobs:
                     choice["logprobs"] = self.reply.chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
+                if body.return_token_ids:
+                    choice["token_ids"] = c.token_ids
                 choices.append(choice)
             reply = {**head, "choices": choices, "usage": usage({i: c.final for i, c in enumerate(gathered)}, n)}
+            if body.return_token_ids:  # vLLM's place: the response's, one prompt for every choice
+                reply["prompt_token_ids"] = ids
             if body.prompt_logprobs is not None:  # vLLM's place: the response's, one prompt for every choice
                 reply["prompt_logprobs"] = self.reply.prompt_logprobs(ids, gathered[0].final)
             return reply

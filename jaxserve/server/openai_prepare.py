@@ -43,6 +43,7 @@ class RequestPreparer:
 
     def completion(self, body: CompletionRequest) -> list[tuple[list[int], SamplingParams, str]]:
         """(prompt ids, params, echoed text) per prompt."""
+        _refuse_vllm_only(body)
         if body.suffix:
             raise APIError(400, "suffix: not supported by this server", param="suffix")
         if body.echo and body.logprobs is not None and body.stream:
@@ -79,6 +80,7 @@ class RequestPreparer:
 
     def chat(self, body: ChatRequest) -> tuple[list[int], SamplingParams]:
         """(prompt ids, params): the chat rendered by the model's template (``chat_ids``)."""
+        _refuse_vllm_only(body)
         if body.tools:
             raise APIError(400, "tools: tool calling is not supported by this server", param="tools")
         if body.top_logprobs is not None and not body.logprobs:
@@ -101,7 +103,8 @@ class RequestPreparer:
         """A chat's token ids as vLLM renders it: the assistant's header after the last
         message (add_generation_prompt, the default); nothing after it, the turn closed
         (add_generation_prompt = false); or the last message left open for the model to go
-        on with (continue_final_message: an assistant prefill, "Sure, here is the JSON: {")."""
+        on with (continue_final_message: an assistant prefill, "Sure, here is the JSON: {");
+        chat_template_kwargs: more of the template's variables."""
         messages = self._messages(body.messages)
         if body.continue_final_message and body.add_generation_prompt:
             raise APIError(
@@ -116,6 +119,7 @@ class RequestPreparer:
             truncate,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
+            chat_template_kwargs=body.chat_template_kwargs,
         )
 
     def encode(self, prompt, field: str, truncate: int | None = None, **chat) -> list[int]:
@@ -289,3 +293,10 @@ def structured_constraint(body: SamplingFields) -> tuple[str, dict]:
             param=found[1][0],
         )
     return found[0] if found else ("", {})
+
+
+def _refuse_vllm_only(body: CompletionRequest | ChatRequest) -> None:
+    """One 400 for a vLLM field this server would otherwise drop (``VLLM_ONLY``)."""
+    refused = body.vllm_only()
+    if refused is not None:
+        raise APIError(400, refused[1], param=refused[0])

@@ -9,9 +9,11 @@ default, and are strict about types (``true`` is not token id 1). Every refusal 
 from __future__ import annotations
 
 import functools
+import json
 import re
 import types
-from typing import Any, Union, get_args, get_origin
+from collections.abc import Callable
+from typing import Any, ClassVar, Union, get_args, get_origin
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator, model_validator
@@ -122,8 +124,47 @@ def _not_nullable_with_default(model: type[BaseModel]) -> frozenset[str]:
     return frozenset(name for name, f in fields if not f.is_required() and not nullable(f.annotation))
 
 
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+# vLLM request fields that this server does not implement, each with the test that a value
+# asks for nothing (vLLM's default) and what stands for it here. An unknown field is dropped
+# (vLLM drops what it does not know too); these would be dropped while the client counts on
+# them (allowed_token_ids unconstrained, a cache_salt's isolation absent), so any other value
+# is a 400 naming the field.
+VLLM_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "allowed_token_ids": (
+        _unset,
+        "logit_bias, or a structured output (guided_choice, guided_regex), limits the tokens",
+    ),
+    "bad_words": (lambda v: not v, "logit_bias of -100 bans a token"),
+    "use_beam_search": (lambda v: not v, "no beam search; n samples with best_of keep the likeliest"),
+    "length_penalty": (lambda v: v is None or v == 1, "it weighs beam search's candidates, and there is none"),
+    "cache_salt": (
+        _unset,
+        "the prefix cache is shared by every request (the server's enable_prefix_caching: false turns it off)",
+    ),
+    "return_tokens_as_token_ids": (
+        lambda v: not v,
+        "logprobs name tokens by their text; return_token_ids gives the ids",
+    ),
+    "logprob_token_ids": (_unset, "logprobs / top_logprobs give the likeliest tokens' logprobs"),
+    "spaces_between_special_tokens": (lambda v: v is None or v is True, "text is decoded as the tokenizer decodes"),
+    "truncation_side": (lambda v: v in (None, "left"), "truncate_prompt_tokens keeps a prompt's last tokens (left)"),
+    "priority": (lambda v: v in (None, 0), "requests are served first come, first served"),
+    "thinking_token_budget": (_unset, "max_tokens bounds the whole output"),
+    "prompt_embeds": (_unset, "prompts are text or token ids"),
+    "chat_template": (_unset, "the model's own template renders chats (chat_template_kwargs sets its variables)"),
+    "documents": (_unset, "put the documents in the messages"),
+    "echo": (lambda v: not v, "a chat's echo is not done; /v1/completions' echo is"),
+}
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries its choice's counts so far.
+    continuous_usage_stats: bool = False
 
 
 class ResponseFormat(_Body):
@@ -165,6 +206,45 @@ class SamplingFields(_Body):
     prompt_logprobs: int | None = None
     # vLLM's: only the prompt's last k tokens are computed (-1: as many as the context holds).
     truncate_prompt_tokens: int | None = None
+    # vLLM's: the prompt's and each choice's token ids beside their text (RL trainers read them).
+    return_token_ids: bool = False
+    # vLLM's fields this server does not implement (VLLM_ONLY): read so that a value other
+    # than vLLM's default is refused by name, not dropped as an unknown field would be.
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    cache_salt: Any = None
+    return_tokens_as_token_ids: Any = None
+    logprob_token_ids: Any = None
+    spaces_between_special_tokens: Any = None
+    truncation_side: Any = None
+    priority: Any = None
+    thinking_token_budget: Any = None
+    vllm_only_fields: ClassVar[tuple[str, ...]] = (
+        "allowed_token_ids",
+        "bad_words",
+        "use_beam_search",
+        "length_penalty",
+        "cache_salt",
+        "return_tokens_as_token_ids",
+        "logprob_token_ids",
+        "spaces_between_special_tokens",
+        "truncation_side",
+        "priority",
+        "thinking_token_budget",
+    )
+
+    def vllm_only(self) -> tuple[str, str] | None:
+        """(field, refusal) for the first vLLM field set to what this server does not do."""
+        for name in self.vllm_only_fields:
+            is_default, why = VLLM_ONLY[name]
+            value = getattr(self, name)
+            if not is_default(value):
+                shown = json.dumps(value)
+                shown = shown if len(shown) <= 60 else shown[:57] + "..."
+                return name, f"{name} = {shown}: vLLM's field, which this server does not implement; {why}"
+        return None
 
 
 class CompletionRequest(SamplingFields):
@@ -173,6 +253,8 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_embeds: Any = None  # vLLM's (VLLM_ONLY)
+    vllm_only_fields: ClassVar[tuple[str, ...]] = (*SamplingFields.vllm_only_fields, "prompt_embeds")
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -218,6 +300,18 @@ class ChatRequest(SamplingFields):
     tool_choice: Any = None
     add_generation_prompt: bool = True  # vLLM's: the assistant's header after the last message
     continue_final_message: bool = False  # vLLM's: the last message left open (an assistant prefill)
+    # vLLM's: more variables for the chat template (Qwen3's {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's (VLLM_ONLY)
+    chat_template: Any = None
+    documents: Any = None
+    echo: Any = None
+    vllm_only_fields: ClassVar[tuple[str, ...]] = (
+        *SamplingFields.vllm_only_fields,
+        "chat_template",
+        "documents",
+        "echo",
+    )
 
 
 class TokenizeRequest(_Body):
@@ -227,6 +321,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):

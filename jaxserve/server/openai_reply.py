@@ -98,6 +98,15 @@ def usage(finals: dict[int, Delta], n: int) -> dict:
     }
 
 
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """vLLM's ``continuous_usage_stats``: a streamed chunk's choice's counts so far."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
 @dataclasses.dataclass
 class Gathered:
     """One choice's deltas, joined."""
