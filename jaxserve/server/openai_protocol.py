@@ -13,7 +13,7 @@ import json
 import re
 import types
 from collections.abc import Callable
-from typing import Any, ClassVar, Union, get_args, get_origin
+from typing import Any, Union, get_args, get_origin
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator, model_validator
@@ -161,6 +161,11 @@ VLLM_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+def _vllm_only() -> Any:
+    """A field of VLLM_ONLY's: None unless sent, checked by ``SamplingFields.vllm_only``."""
+    return Field(default=None, json_schema_extra={"vllm_only": True})
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
     # vLLM's: with include_usage, every chunk carries its choice's counts so far.
@@ -210,34 +215,23 @@ class SamplingFields(_Body):
     return_token_ids: bool = False
     # vLLM's fields this server does not implement (VLLM_ONLY): read so that a value other
     # than vLLM's default is refused by name, not dropped as an unknown field would be.
-    allowed_token_ids: Any = None
-    bad_words: Any = None
-    use_beam_search: Any = None
-    length_penalty: Any = None
-    cache_salt: Any = None
-    return_tokens_as_token_ids: Any = None
-    logprob_token_ids: Any = None
-    spaces_between_special_tokens: Any = None
-    truncation_side: Any = None
-    priority: Any = None
-    thinking_token_budget: Any = None
-    vllm_only_fields: ClassVar[tuple[str, ...]] = (
-        "allowed_token_ids",
-        "bad_words",
-        "use_beam_search",
-        "length_penalty",
-        "cache_salt",
-        "return_tokens_as_token_ids",
-        "logprob_token_ids",
-        "spaces_between_special_tokens",
-        "truncation_side",
-        "priority",
-        "thinking_token_budget",
-    )
+    allowed_token_ids: Any = _vllm_only()
+    bad_words: Any = _vllm_only()
+    use_beam_search: Any = _vllm_only()
+    length_penalty: Any = _vllm_only()
+    cache_salt: Any = _vllm_only()
+    return_tokens_as_token_ids: Any = _vllm_only()
+    logprob_token_ids: Any = _vllm_only()
+    spaces_between_special_tokens: Any = _vllm_only()
+    truncation_side: Any = _vllm_only()
+    priority: Any = _vllm_only()
+    thinking_token_budget: Any = _vllm_only()
 
     def vllm_only(self) -> tuple[str, str] | None:
         """(field, refusal) for the first vLLM field set to what this server does not do."""
-        for name in self.vllm_only_fields:
+        for name, field in type(self).model_fields.items():
+            if not (field.json_schema_extra or {}).get("vllm_only"):
+                continue
             is_default, why = VLLM_ONLY[name]
             value = getattr(self, name)
             if not is_default(value):
@@ -253,8 +247,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    prompt_embeds: Any = None  # vLLM's (VLLM_ONLY)
-    vllm_only_fields: ClassVar[tuple[str, ...]] = (*SamplingFields.vllm_only_fields, "prompt_embeds")
+    prompt_embeds: Any = _vllm_only()
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -302,16 +295,9 @@ class ChatRequest(SamplingFields):
     continue_final_message: bool = False  # vLLM's: the last message left open (an assistant prefill)
     # vLLM's: more variables for the chat template (Qwen3's {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] | None = None
-    # vLLM's (VLLM_ONLY)
-    chat_template: Any = None
-    documents: Any = None
-    echo: Any = None
-    vllm_only_fields: ClassVar[tuple[str, ...]] = (
-        *SamplingFields.vllm_only_fields,
-        "chat_template",
-        "documents",
-        "echo",
-    )
+    chat_template: Any = _vllm_only()
+    documents: Any = _vllm_only()
+    echo: Any = _vllm_only()  # a chat's (a completion's echo is its own field)
 
 
 class TokenizeRequest(_Body):
