@@ -131,8 +131,9 @@ class EngineHandle:
         A chat ends with the assistant's header (``add_generation_prompt``), or with its
         last message left open for the model to go on with (``continue_final_message``), or
         neither: the turn closed; ``chat_template_kwargs`` (vLLM's): more variables for the
-        template, such as Qwen3's ``enable_thinking``. ``truncate_prompt_tokens`` (vLLM's): only the prompt's last
-        k tokens are kept, before the length is checked; -1: as many as the context holds.
+        template, such as Qwen3's ``enable_thinking``. ``truncate_prompt_tokens`` (vLLM's):
+        only the prompt's last k tokens are kept, before the length is checked; -1: as many
+        as the context holds.
         With them, the text they came from: the prompt itself, a chat's rendering by the
         template, or None for token ids (vLLM's ``RequestOutput.prompt``)."""
         keep_last = self._keep_last(truncate_prompt_tokens)

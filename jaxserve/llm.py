@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from tqdm.auto import tqdm
 
-from jaxserve.assembly import ChatMessages, EngineHandle, Prompt, assemble, template_variables
+from jaxserve.assembly import ChatMessages, EngineHandle, Prompt, assemble
 from jaxserve.config import EngineConfig
 from jaxserve.engine.async_engine import EngineStoppedError
 from jaxserve.engine.request import Request
@@ -277,7 +277,7 @@ class LLM:
         chat = {
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message,
-            "chat_template_kwargs": template_variables(chat_template_kwargs),
+            "chat_template_kwargs": chat_template_kwargs,
         }
         return self._generate(conversations, sampling_params, use_tqdm, "messages", chat)
 

@@ -218,10 +218,9 @@ class OpenAIServer:
                 echoed = set()
                 async for i, d in deltas:
                     generated[i] += len(d.token_ids)
-                    text, first = d.text, i not in echoed
+                    text, first = d.text, i not in echoed  # the choice's first chunk sent (echo, ids)
                     if first and prepared[i // n][2]:
                         text = prepared[i // n][2] + text
-                    echoed.add(i)
                     choice = {
                         "index": i,
                         "text": text,
@@ -239,6 +238,7 @@ class OpenAIServer:
                         finals[i] = d
                         choice["stop_reason"] = self.reply.stop_reason(d.stop_reason, prepared[i // n][1])
                     if text or d.token_ids or d.finish_reason is not None:
+                        echoed.add(i)
                         chunk_usage = running_usage(len(prepared[i // n][0]), generated[i]) if continuous else None
                         yield event({**head, "choices": [choice], **({"usage": chunk_usage} if include_usage else {})})
                 if include_usage:
@@ -346,7 +346,7 @@ class OpenAIServer:
                     choice["token_ids"] = c.token_ids
                 choices.append(choice)
             reply = {**head, "choices": choices, "usage": usage({i: c.final for i, c in enumerate(gathered)}, n)}
-            if body.return_token_ids:  # vLLM's place: the response's, one prompt for every choice
+            if body.return_token_ids:  # the response's, as prompt_logprobs below
                 reply["prompt_token_ids"] = ids
             if body.prompt_logprobs is not None:  # vLLM's place: the response's, one prompt for every choice
                 reply["prompt_logprobs"] = self.reply.prompt_logprobs(ids, gathered[0].final)
