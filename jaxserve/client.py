@@ -10,6 +10,7 @@ with Client("127.0.0.1:50051") as c:
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Iterator
 
@@ -26,25 +27,45 @@ def build_request(
     request_id: str = "",
     pin_s: float | None = None,
     truncate_prompt_tokens: int | None = None,
+    add_generation_prompt: bool | None = None,
+    continue_final_message: bool | None = None,
+    chat_template_kwargs: dict | None = None,
     **sampling,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from a text, a token-id list or chat messages, and sampling fields
     (None: not set); ``pin_s``: pin the finished request's tokens in the prefix cache that
     long (a lease); ``truncate_prompt_tokens``: compute only the prompt's last k tokens
-    (-1: as many as the context holds). A value the wire cannot carry is a RequestError
-    naming its field (the server checks the rest)."""
+    (-1: as many as the context holds). A chat's ``add_generation_prompt``,
+    ``continue_final_message`` and ``chat_template_kwargs`` are vLLM's (ChatMessages). A
+    value the wire cannot carry is a RequestError naming its field (the server checks the
+    rest)."""
     req = pb.GenerateRequest(request_id=request_id)
     if pin_s is not None:
         _assign(req, "pin_s", pin_s, "")
     if truncate_prompt_tokens is not None:
         _assign(req, "truncate_prompt_tokens", truncate_prompt_tokens, "")
+    chat = isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt)
+    if not chat and (add_generation_prompt, continue_final_message, chat_template_kwargs) != (None, None, None):
+        raise RequestError(
+            "add_generation_prompt, continue_final_message and chat_template_kwargs: for a chat prompt only "
+            "(a list of {role, content} messages)"
+        )
     if isinstance(prompt, str):
         req.text = prompt
-    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+    elif chat:
         for i, m in enumerate(prompt):
             if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise RequestError(f"prompt[{i}]: a chat message needs a string 'role' and 'content'")
             req.chat.messages.append(pb.ChatMessage(role=m["role"], content=m["content"]))
+        if add_generation_prompt is not None:
+            _assign(req.chat, "add_generation_prompt", add_generation_prompt, "chat.")
+        if continue_final_message is not None:
+            _assign(req.chat, "continue_final_message", continue_final_message, "chat.")
+        if chat_template_kwargs is not None:
+            try:
+                req.chat.chat_template_kwargs = json.dumps(chat_template_kwargs)
+            except (TypeError, ValueError) as e:
+                raise RequestError(f"chat_template_kwargs: not JSON-serializable ({e})") from None
     elif isinstance(prompt, (list, tuple)):
         _assign(req.token_ids, "ids", prompt, "prompt.")
     else:

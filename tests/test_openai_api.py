@@ -607,6 +607,19 @@ def test_an_assistant_prefill_is_continued_not_answered(api):
     )
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message", both.text
 
+    # gRPC's ChatMessages take the same options: the same prompt, the same reply
+    with Client(addr) as c:
+        over_grpc = c.generate(prefill, max_tokens=6, ignore_eos=True, temperature=0.0, **open_turn)
+        assert over_grpc.usage.prompt_tokens == len(ids) and over_grpc.text == offline.text
+        closed_turn = c.generate(prefill, max_tokens=1, add_generation_prompt=False)
+        assert closed_turn.usage.prompt_tokens == len(closed["tokens"])
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate(prefill, max_tokens=2, continue_final_message=True)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("chat.continue_final_message = true: only with"), e.value.details()
+        with pytest.raises(RequestError, match="for a chat prompt only"):
+            c.generate("The capital", max_tokens=2, add_generation_prompt=False)
+
 
 def test_a_chat_for_a_model_without_a_chat_template_is_one_400(api, monkeypatch):
     """A base model's tokenizer has no chat template: a chat is a 400 naming messages (it
@@ -653,6 +666,13 @@ def test_chat_template_kwargs_set_the_templates_variables(api, monkeypatch):
         assert r.json()["error"]["message"].startswith(f"chat_template_kwargs.{param}: not a variable"), r.text
     with pytest.raises(RequestError, match="chat_template_kwargs.messages: not a variable"):
         llm.chat(CHAT, SamplingParams(max_tokens=1), chat_template_kwargs={"messages": []})
+    with Client(addr) as c:  # gRPC's ChatMessages.chat_template_kwargs, a JSON object
+        over_grpc = c.generate(CHAT, max_tokens=1, chat_template_kwargs={"enable_thinking": False})
+        assert over_grpc.usage.prompt_tokens == len(thinking_off)
+        for bad, why in ((["enable_thinking"], "a JSON object"), ({"tokenize": True}, "not a variable")):
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate(CHAT, max_tokens=1, chat_template_kwargs=bad)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details(), e.value.details()
     assert llm.stats()["kv_pages_held"] == 0
 
 

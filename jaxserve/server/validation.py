@@ -8,6 +8,7 @@ Sizes are checked before tokenizing (``server.max_prompt_chars``), then the serv
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jinja2
 import numpy as np
@@ -85,6 +86,30 @@ def checked_params(
         raise RequestError(f"sampling_params: {e}") from None
 
 
+def chat_options(chat: pb.ChatMessages) -> dict:
+    """How a chat ends and its template's variables (``EngineHandle.encode``'s options), from
+    ChatMessages' fields."""
+    add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    if chat.continue_final_message and add_generation_prompt:
+        raise RequestError(
+            "chat.continue_final_message = true: only with chat.add_generation_prompt = false (the last message "
+            "is continued, not answered)"
+        )
+    variables = None
+    if chat.chat_template_kwargs:
+        try:
+            variables = json.loads(chat.chat_template_kwargs)
+        except ValueError as e:
+            raise RequestError(f"chat.chat_template_kwargs: not JSON ({e})") from None
+        if not isinstance(variables, dict):
+            raise RequestError("chat.chat_template_kwargs: a JSON object of the chat template's variables")
+    return {
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": chat.continue_final_message,
+        "chat_template_kwargs": variables,
+    }
+
+
 def prompt_ids(
     msg: pb.GenerateRequest, handle: EngineHandle, max_chars: int = ServerConfig.max_prompt_chars
 ) -> list[int]:
@@ -117,7 +142,7 @@ def prompt_ids(
         if total > max_chars:
             raise RequestError(f"chat.messages: over {max_chars} characters in all (server.max_prompt_chars)")
     try:
-        return handle.encode(messages, "chat.messages", truncate_prompt_tokens=truncate)
+        return handle.encode(messages, "chat.messages", truncate_prompt_tokens=truncate, **chat_options(msg.chat))
     except jinja2.TemplateError as e:  # e.g. "roles must alternate user/assistant"
         raise RequestError(f"chat.messages: the model's chat template refuses them: {str(e)[:300]}") from None
 
