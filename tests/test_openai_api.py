@@ -825,6 +825,88 @@ def test_continuous_usage_stats_counts_every_chunk_as_vllm(api):
     assert llm.stats()["kv_pages_held"] == 0
 
 
+def test_responses_api_answers_as_the_chat_does(api):
+    """OpenAI's Responses API (POST /v1/responses) with the official client: instructions +
+    input run as the chat of the same messages (the same prompt ids, the same greedy text),
+    as a response object or a stream of OpenAI's events in order, which the client's own
+    stream helper assembles; cut at max_output_tokens is status "incomplete"."""
+    llm, server, addr, base, client, _ = api
+    messages = [{"role": "user", "content": "The capital of France?"}]
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "Be brief."}, *messages], max_tokens=8,
+        extra_body=NO_EOS, **GREEDY,
+    )  # fmt: skip
+    args = dict(model="tiny", instructions="Be brief.", max_output_tokens=8, extra_body=NO_EOS, **GREEDY)
+    answer = client.responses.create(input=messages, **args)
+    assert answer.output_text == chat.choices[0].message.content
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens and answer.usage.output_tokens == 8
+    assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
+    assert answer.id.startswith("resp_") and answer.output[0].role == "assistant"
+
+    with client.responses.stream(input=messages, **args) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    deltas = kinds.count("response.output_text.delta")
+    assert kinds == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        *["response.output_text.delta"] * deltas, "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed",
+    ]  # fmt: skip
+    assert deltas >= 1 and final.output_text == answer.output_text and final.status == "incomplete"
+    raw = _events(base, "/v1/responses", {"model": "tiny", "input": "Deep learning", "max_output_tokens": 4})
+    assert [e["sequence_number"] for e in raw] == list(range(len(raw)))
+    text = "".join(e["delta"] for e in raw if e["type"] == "response.output_text.delta")
+    assert raw[-1]["response"]["output"][0]["content"][0]["text"] == text
+
+    plain = client.responses.create(model="tiny", input="Deep learning", max_output_tokens=4, **GREEDY)
+    offline = llm.chat([{"role": "user", "content": "Deep learning"}], SamplingParams(max_tokens=4, temperature=0.0))
+    assert plain.output_text == offline[0].text
+    assert llm.stats()["kv_pages_held"] == 0
+
+
+def test_responses_api_structured_output_and_refusals(api):
+    """text.format (json_schema) constrains the answer as response_format does; what the
+    server does not do (tools, stored responses, items that are not messages, images, a
+    truncation that cuts) is one 400 naming the field."""
+    llm, server, addr, base, client, _ = api
+    schema = {
+        "type": "object",
+        "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["kind", "age"],
+        "additionalProperties": False,
+    }
+    pet = client.responses.create(
+        model="tiny", input="A pet?", max_output_tokens=60, temperature=1.0,
+        text={"format": {"type": "json_schema", "name": "pet", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    assert pet.status == "completed"
+    got = json.loads(pet.output_text)
+    assert got["kind"] in ("cat", "dog") and 0 <= got["age"] <= 9
+    refused = [
+        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        ({"max_output_tokens": -1}, "max_output_tokens"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ]  # fmt: skip
+    for extra, param in refused:
+        r = httpx.post(f"{base}/v1/responses", json={"model": "tiny", "input": "hi", **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    # the defaults that ask for nothing more pass
+    ok = {"store": True, "truncation": "disabled", "tools": [], "tool_choice": "auto", "include": []}
+    assert (
+        httpx.post(
+            f"{base}/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 2, **ok}
+        ).status_code
+        == 200
+    )
+    assert llm.stats()["kv_pages_held"] == 0
+
+
 def test_a_disconnected_stream_or_call_frees_its_pages(api):
     llm, server, addr, base, client, _ = api
     _wait_until_idle(llm, server)
@@ -845,6 +927,15 @@ def test_a_disconnected_stream_or_call_frees_its_pages(api):
     before = server.engine_thread.aborted["cancelled"]
     with engine_held(server.engine_thread), pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    _wait_until_idle(llm, server)
+    assert server.engine_thread.aborted["cancelled"] == before + 1
+
+    # A streamed Responses API answer closed early: aborted as well.
+    before = server.engine_thread.aborted["cancelled"]
+    answer = {"model": "tiny", "input": "Deep learning", "max_output_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{base}/v1/responses", json=answer) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if '"response.output_text.delta"' in line)
     _wait_until_idle(llm, server)
     assert server.engine_thread.aborted["cancelled"] == before + 1
     assert llm.stats()["kv_pages_held"] == 0

@@ -100,6 +100,8 @@ def test_the_http_api_takes_the_same_tls_and_tokens(secured, pki):
             # The caller first: a stranger's body is never parsed, a bad one says nothing of our fields.
             refused = http.post(f"{url}/v1/chat/completions", json={"messages": 5}, headers=headers)
             assert refused.status_code == 401, refused.text
+            refused = http.post(f"{url}/v1/responses", json={"input": 5}, headers=headers)
+            assert refused.status_code == 401, refused.text
         assert http.get(f"{url}/v1/models").status_code == 401
         for route in ("/metrics", "/version"):  # vLLM leaves them open; here a token, as the API's
             assert http.get(f"{url}{route}").status_code == 401

@@ -43,12 +43,14 @@ from jaxserve.server.openai_protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     StreamOptions,
     TokenizeRequest,
     bad_request,
     validation_error,
 )
 from jaxserve.server.openai_reply import ReplyFormatter, event, gather, running_usage, sse, usage
+from jaxserve.server.openai_responses import ResponseBuilder
 from jaxserve.server.submit import merged, sample_ids, submit_all
 
 
@@ -366,6 +368,45 @@ class OpenAIServer:
             "max_model_len": self.handle.max_model_len,
         }
 
+    async def responses(self, request: Request):
+        """OpenAI's Responses API: the conversation as a chat, answered by one assistant
+        message (``openai_responses``); streamed as OpenAI's events."""
+        client = self._client(request)  # unauthenticated callers learn nothing else
+        self._check_ready()
+        body = await self._body(request, ResponsesRequest)
+        self._check_model(body.model)
+        ids, params = await self._prepared(self.prepare.response, body)
+        response_id = f"resp_{uuid.uuid4().hex[:24]}"
+        engine_ids, queues = self._submit(response_id, [(ids, params)], client)
+        build = ResponseBuilder(body, response_id, int(time.time()), self.model_name)
+        deltas = self._deltas(engine_ids, queues)
+        if body.stream:
+
+            async def events():
+                for opening in build.opening():
+                    yield opening
+                pieces, final = [], None
+                try:
+                    async for _, d in deltas:
+                        if d.text:
+                            pieces.append(d.text)
+                            yield build.delta(d.text)
+                        if d.finish_reason is not None:
+                            final = d
+                except APIError as e:
+                    yield build.error(e.message)
+                    return
+                for closing in build.closing("".join(pieces), final):
+                    yield closing
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        async def collect():
+            (answer,) = await gather(deltas, 1)
+            return build.response("completed", answer.text, answer.final)
+
+        return await self._unless_disconnected(request, collect())
+
     async def tokenize(self, request: Request) -> dict:
         self._client(request)
         body = await self._body(request, TokenizeRequest)
@@ -456,6 +497,7 @@ class OpenAIServer:
 
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat)
+        app.post("/v1/responses")(self.responses)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         app.get("/tokenizer_info")(self.tokenizer_info)

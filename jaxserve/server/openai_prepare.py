@@ -20,10 +20,12 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.openai_protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
+    RESPONSES_REFUSED,
     APIError,
     ChatMessage,
     ChatRequest,
     CompletionRequest,
+    ResponsesRequest,
     SamplingFields,
     TokenizeRequest,
     bad_request,
@@ -155,7 +157,9 @@ class RequestPreparer:
             )
         return ids
 
-    def _messages(self, messages: list[ChatMessage]) -> list[dict]:
+    def _messages(self, messages: list, field: str = "messages", text_parts: tuple[str, ...] = ("text",)) -> list[dict]:
+        """Chat messages (``role``, ``content``: a text or parts of the ``text_parts`` types)
+        as the template takes them; errors name ``field[i]``."""
         out, total = [], 0
         for i, m in enumerate(messages):
             role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for system
@@ -163,16 +167,17 @@ class RequestPreparer:
                 shown = m.role if len(m.role) <= 40 else f"{m.role[:40]}..."
                 raise APIError(
                     400,
-                    f"messages[{i}].role = {shown!r}: must be one of {', '.join(CHAT_ROLES)}, developer",
-                    param=f"messages[{i}].role",
+                    f"{field}[{i}].role = {shown!r}: must be one of {', '.join(CHAT_ROLES)}, developer",
+                    param=f"{field}[{i}].role",
                 )
             if isinstance(m.content, list):
                 for j, part in enumerate(m.content):
-                    if part.type != "text" or part.text is None:
+                    if part.type not in text_parts or part.text is None:
                         raise APIError(
                             400,
-                            f"messages[{i}].content[{j}].type = {part.type!r}: only text parts are served",
-                            param=f"messages[{i}].content[{j}].type",
+                            f"{field}[{i}].content[{j}].type = {part.type!r}: only text parts are served "
+                            f"({', '.join(text_parts)})",
+                            param=f"{field}[{i}].content[{j}].type",
                         )
                 content = "".join(part.text for part in m.content)
             else:
@@ -181,11 +186,73 @@ class RequestPreparer:
             if total > self.limits.max_prompt_chars:
                 raise APIError(
                     400,
-                    f"messages: over {self.limits.max_prompt_chars} characters in all (server.max_prompt_chars)",
-                    param="messages",
+                    f"{field}: over {self.limits.max_prompt_chars} characters in all (server.max_prompt_chars)",
+                    param=field,
                 )
             out.append({"role": role, "content": content})
         return out
+
+    def response(self, body: ResponsesRequest) -> tuple[list[int], SamplingParams]:
+        """(prompt ids, params) of a Responses API request: ``instructions`` as a system
+        message before ``input``'s messages, rendered as a chat; ``text.format`` as
+        response_format; the rest as on /v1/chat/completions."""
+        for name, why in RESPONSES_REFUSED.items():
+            if getattr(body, name) not in (None, []):
+                raise APIError(400, f"{name}: {why}", param=name)
+        if body.truncation not in (None, "disabled"):
+            raise APIError(
+                400,
+                f"truncation = {body.truncation!r}: only 'disabled' (a conversation longer than the context is "
+                "refused, not cut)",
+                param="truncation",
+            )
+        if isinstance(body.input, str):
+            items = [ChatMessage(role="user", content=body.input)]
+        else:
+            items = []
+            for i, item in enumerate(body.input):
+                if item.type != "message" or item.role is None:
+                    raise APIError(
+                        400,
+                        f"input[{i}].type = {item.type!r}: only messages (with a role) are served",
+                        param=f"input[{i}].type",
+                    )
+                items.append(ChatMessage(role=item.role, content=item.content))
+        if body.instructions is not None:
+            items.insert(0, ChatMessage(role="system", content=body.instructions))
+        field = "input"
+        messages = self._messages(items, field, ("input_text", "output_text", "text"))
+        ids = self.encode(messages, field)
+        kwargs: dict[str, Any] = dict(
+            ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens
+        )
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):  # fmt: skip
+            if getattr(body, name) is not None:
+                kwargs[name] = getattr(body, name)
+        if body.logit_bias:
+            kwargs["logit_bias"] = _logit_bias(body.logit_bias)
+        renames = {"max_tokens": "max_output_tokens"}
+        fmt = body.text.format if body.text is not None else None
+        if fmt is not None and fmt.type != "text":
+            if fmt.type not in ("json_object", "json_schema"):
+                raise APIError(
+                    400,
+                    f"text.format.type = {fmt.type!r}: must be one of text, json_object, json_schema",
+                    param="text.format.type",
+                )
+            if fmt.type == "json_object":
+                kwargs["json_object"] = True
+            elif isinstance(fmt.schema_, dict | bool):
+                kwargs["json_schema"] = json.dumps(fmt.schema_)
+            else:
+                raise APIError(
+                    400, "text.format.schema: a JSON schema (an object) is required", param="text.format.schema"
+                )
+            renames.update({"json_object": "text.format", "json_schema": "text.format.schema"})
+        if body.max_output_tokens is not None:
+            kwargs["max_tokens"] = body.max_output_tokens
+        return ids, self._params(kwargs, len(ids), CHAT_DEFAULT_MAX_TOKENS, renames)
 
     def _sampling_kwargs(self, body: SamplingFields) -> tuple[dict, dict[str, str]]:
         """(SamplingParams keyword arguments of the shared fields, renames: our field names
@@ -213,10 +280,7 @@ class RequestPreparer:
         if body.stop_token_ids:
             kwargs["stop_token_ids"] = tuple(body.stop_token_ids)
         if body.logit_bias:
-            try:  # OpenAI's keys are token ids as strings
-                kwargs["logit_bias"] = tuple((int(k), v) for k, v in body.logit_bias.items())
-            except ValueError:
-                raise APIError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
+            kwargs["logit_bias"] = _logit_bias(body.logit_bias)
         field, constraint = structured_constraint(body)
         kwargs.update(constraint)
         # Errors about the constraint name the field the client used.
@@ -293,6 +357,14 @@ def structured_constraint(body: SamplingFields) -> tuple[str, dict]:
             param=found[1][0],
         )
     return found[0] if found else ("", {})
+
+
+def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (token ids as strings) as SamplingParams takes it."""
+    try:
+        return tuple((int(k), v) for k, v in bias.items())
+    except ValueError:
+        raise APIError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
 
 
 def _refuse_vllm_only(body: CompletionRequest | ChatRequest) -> None:

@@ -300,6 +300,89 @@ class ChatRequest(SamplingFields):
     echo: Any = _vllm_only()  # a chat's (a completion's echo is its own field)
 
 
+class ResponseInputItem(_Body):
+    """An item of a Responses API ``input``: a message (the only kind served), its content a
+    text or parts (``input_text``; an assistant's ``output_text``)."""
+
+    type: str = "message"
+    role: str | None = None
+    content: str | list[ContentPart] | None = None
+
+
+class ResponseTextFormat(_Body):
+    type: str = "text"  # text | json_object | json_schema
+    name: str | None = None
+    schema_: Any = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseTextConfig(_Body):
+    format: ResponseTextFormat | None = None
+
+
+class ResponsesRequest(_Body):
+    """OpenAI's Responses API (POST /v1/responses) as far as it is served: a conversation
+    (``input`` after ``instructions``) answered by one assistant message, in text or a
+    structured format (``text.format``); vLLM's sampling extras as on the other endpoints.
+    The rest is refused by name (``RESPONSES_REFUSED``)."""
+
+    model: str | None = None
+    input: str | list[ResponseInputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    text: ResponseTextConfig | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool = True  # OpenAI's default; nothing is kept here (as vLLM without its store)
+    # Accepted at the values that ask for nothing more:
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    truncation: str | None = None  # "disabled" (OpenAI's default) only
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    # Refused unless unset or empty (RESPONSES_REFUSED):
+    tools: list[Any] | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    include: list[Any] | None = None
+    reasoning: Any = None
+    prompt: Any = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+
+
+# Responses API fields that ask for what this server does not do, and why: a set value is a
+# 400 naming the field (dropped, each would change the answer or its meaning unannounced).
+RESPONSES_REFUSED = {
+    "tools": "tool calling is not supported by this server",
+    "previous_response_id": "this server keeps no responses: send the whole conversation in input",
+    "conversation": "this server keeps no conversations: send the whole conversation in input",
+    "background": "responses are answered in the request (background runs need a store this server does not keep)",
+    "include": "no extra output items are served (reasoning, logprobs, tool results)",
+    "reasoning": "this server runs no reasoning models' options (chat templates' switches: /v1/chat/completions' "
+    "chat_template_kwargs)",
+    "prompt": "stored prompt templates are not served: send the text in input",
+    "top_logprobs": "logprobs are served by /v1/chat/completions and /v1/completions",
+    "max_tool_calls": "tool calling is not supported by this server",
+}
+
+
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
