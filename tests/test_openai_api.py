@@ -23,6 +23,12 @@ from tests.conftest import engine_held, gated_server, rng_tokens, wait_until
 GREEDY = dict(temperature=0.0)
 NO_EOS = {"ignore_eos": True}  # vLLM's extra, through extra_body
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The capital of France?"}]
+PET_SCHEMA = {
+    "type": "object",
+    "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["kind", "age"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -542,12 +548,7 @@ def test_bad_chat_input_and_bodies_are_400(api):
 
 def test_structured_output_over_http_and_grpc(api):
     llm, server, addr, base, client, _ = api
-    schema = {
-        "type": "object",
-        "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0, "maximum": 9}},
-        "required": ["kind", "age"],
-        "additionalProperties": False,
-    }
+    schema = PET_SCHEMA
     fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema, "strict": True}}
     chat = client.chat.completions.create(
         model="tiny", messages=CHAT, max_tokens=60, temperature=1.0, seed=3, response_format=fmt
@@ -869,12 +870,7 @@ def test_responses_api_structured_output_and_refusals(api):
     server does not do (tools, stored responses, items that are not messages, images, a
     truncation that cuts) is one 400 naming the field."""
     llm, server, addr, base, client, _ = api
-    schema = {
-        "type": "object",
-        "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0, "maximum": 9}},
-        "required": ["kind", "age"],
-        "additionalProperties": False,
-    }
+    schema = PET_SCHEMA
     pet = client.responses.create(
         model="tiny", input="A pet?", max_output_tokens=60, temperature=1.0,
         text={"format": {"type": "json_schema", "name": "pet", "schema": schema, "strict": True}},

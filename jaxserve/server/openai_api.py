@@ -124,6 +124,16 @@ class OpenAIServer:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, fn, body)
 
+    async def _accepted(self, request: Request, model: type[BaseModel]) -> tuple[str, Any]:
+        """(the caller, the body as ``model``) of a generating request: the caller known
+        first (an unauthenticated one learns nothing else), then the server ready, the body
+        parsed and its model this server's."""
+        client = self._client(request)
+        self._check_ready()
+        body = await self._body(request, model)
+        self._check_model(body.model)
+        return client, body
+
     async def _body(self, request: Request, model: type[BaseModel]) -> Any:
         """The request's body as ``model``, parsed and checked on the worker pool after the
         caller is known (an unknown caller's body is never parsed). A 15 MB body of token
@@ -198,10 +208,7 @@ class OpenAIServer:
     # -- endpoints --------------------------------------------------------------------
 
     async def completions(self, request: Request):
-        client = self._client(request)  # unauthenticated callers learn nothing else
-        self._check_ready()
-        body = await self._body(request, CompletionRequest)
-        self._check_model(body.model)
+        client, body = await self._accepted(request, CompletionRequest)
         prepared = await self._prepared(self.prepare.completion, body)
         request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
         n = prepared[0][1].n
@@ -278,10 +285,7 @@ class OpenAIServer:
         return await self._unless_disconnected(request, collect())
 
     async def chat(self, request: Request):
-        client = self._client(request)  # unauthenticated callers learn nothing else
-        self._check_ready()
-        body = await self._body(request, ChatRequest)
-        self._check_model(body.model)
+        client, body = await self._accepted(request, ChatRequest)
         ids, params = await self._prepared(self.prepare.chat, body)
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         n = params.n
@@ -371,10 +375,7 @@ class OpenAIServer:
     async def responses(self, request: Request):
         """OpenAI's Responses API: the conversation as a chat, answered by one assistant
         message (``openai_responses``); streamed as OpenAI's events."""
-        client = self._client(request)  # unauthenticated callers learn nothing else
-        self._check_ready()
-        body = await self._body(request, ResponsesRequest)
-        self._check_model(body.model)
+        client, body = await self._accepted(request, ResponsesRequest)
         ids, params = await self._prepared(self.prepare.response, body)
         response_id = f"resp_{uuid.uuid4().hex[:24]}"
         engine_ids, queues = self._submit(response_id, [(ids, params)], client)

@@ -26,6 +26,7 @@ from jaxserve.server.openai_protocol import (
     ChatRequest,
     CompletionRequest,
     ResponsesRequest,
+    SamplingCore,
     SamplingFields,
     TokenizeRequest,
     bad_request,
@@ -223,15 +224,7 @@ class RequestPreparer:
         field = "input"
         messages = self._messages(items, field, ("input_text", "output_text", "text"))
         ids = self.encode(messages, field)
-        kwargs: dict[str, Any] = dict(
-            ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens
-        )
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):  # fmt: skip
-            if getattr(body, name) is not None:
-                kwargs[name] = getattr(body, name)
-        if body.logit_bias:
-            kwargs["logit_bias"] = _logit_bias(body.logit_bias)
+        kwargs = _core_kwargs(body)
         renames = {"max_tokens": "max_output_tokens"}
         fmt = body.text.format if body.text is not None else None
         if fmt is not None and fmt.type != "text":
@@ -263,24 +256,14 @@ class RequestPreparer:
             raise APIError(400, "stream_options: only with stream = true", param="stream_options")
         if body.prompt_logprobs is not None and body.stream:  # as vLLM: they come with the whole response
             raise APIError(400, "prompt_logprobs: not available with stream = true", param="prompt_logprobs")
-        kwargs: dict[str, Any] = dict(
-            n=body.n,
-            ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output,
-            skip_special_tokens=body.skip_special_tokens,
-        )
-        # As given (vLLM's top_k = -1 too: SamplingParams takes it as no top-k).
-        for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "min_p",
-                     "repetition_penalty", "prompt_logprobs"):  # fmt: skip
-            if getattr(body, name) is not None:
-                kwargs[name] = getattr(body, name)
+        kwargs = _core_kwargs(body)
+        kwargs.update(n=body.n, include_stop_str_in_output=body.include_stop_str_in_output)
+        if body.prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = body.prompt_logprobs
         if body.stop is not None:
             kwargs["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
         if body.stop_token_ids:
             kwargs["stop_token_ids"] = tuple(body.stop_token_ids)
-        if body.logit_bias:
-            kwargs["logit_bias"] = _logit_bias(body.logit_bias)
         field, constraint = structured_constraint(body)
         kwargs.update(constraint)
         # Errors about the constraint name the field the client used.
@@ -359,12 +342,22 @@ def structured_constraint(body: SamplingFields) -> tuple[str, dict]:
     return found[0] if found else ("", {})
 
 
-def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
-    """OpenAI's logit_bias (token ids as strings) as SamplingParams takes it."""
-    try:
-        return tuple((int(k), v) for k, v in bias.items())
-    except ValueError:
-        raise APIError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
+def _core_kwargs(body: SamplingCore) -> dict[str, Any]:
+    """SamplingParams keyword arguments of the fields every generating endpoint takes."""
+    kwargs: dict[str, Any] = dict(
+        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens
+    )
+    # As given (vLLM's top_k = -1 too: SamplingParams takes it as no top-k).
+    for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "min_p",
+                 "repetition_penalty"):  # fmt: skip
+        if getattr(body, name) is not None:
+            kwargs[name] = getattr(body, name)
+    if body.logit_bias:
+        try:  # OpenAI's keys are token ids as strings
+            kwargs["logit_bias"] = tuple((int(k), v) for k, v in body.logit_bias.items())
+        except ValueError:
+            raise APIError(400, "logit_bias: keys must be token ids", param="logit_bias") from None
+    return kwargs
 
 
 def _refuse_vllm_only(body: CompletionRequest | ChatRequest) -> None:

@@ -177,31 +177,36 @@ class ResponseFormat(_Body):
     json_schema: Any = None  # {"name": ..., "schema": {...}, "strict": ...}
 
 
-class SamplingFields(_Body):
-    """The fields both endpoints share: OpenAI's, then vLLM's extras."""
+class SamplingCore(_Body):
+    """The sampling fields every generating endpoint takes: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
-    n: int = 1
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    response_format: ResponseFormat | None = None
     user: str | None = None
-    best_of: int | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    skip_special_tokens: bool = True
+
+
+class SamplingFields(SamplingCore):
+    """The fields /v1/completions and /v1/chat/completions share: OpenAI's, then vLLM's."""
+
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    best_of: int | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
     # Structured output by vLLM's names (OpenAI's is response_format).
     guided_json: Any = None
     guided_regex: str | None = None
@@ -321,32 +326,17 @@ class ResponseTextConfig(_Body):
     format: ResponseTextFormat | None = None
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(SamplingCore):
     """OpenAI's Responses API (POST /v1/responses) as far as it is served: a conversation
     (``input`` after ``instructions``) answered by one assistant message, in text or a
     structured format (``text.format``); vLLM's sampling extras as on the other endpoints.
     The rest is refused by name (``RESPONSES_REFUSED``)."""
 
-    model: str | None = None
     input: str | list[ResponseInputItem]
     instructions: str | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    stream: bool = False
     text: ResponseTextConfig | None = None
     metadata: dict[str, str] | None = None
-    user: str | None = None
     store: bool = True  # OpenAI's default; nothing is kept here (as vLLM without its store)
     # Accepted at the values that ask for nothing more:
     tool_choice: Any = None
