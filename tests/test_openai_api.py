@@ -903,6 +903,23 @@ def test_responses_api_structured_output_and_refusals(api):
     assert llm.stats()["kv_pages_held"] == 0
 
 
+def test_an_unknown_route_or_a_stored_response_is_openais_error_body(api):
+    """An unknown path or method is OpenAI's error body naming the routes served (FastAPI's
+    own said {"detail": "Not Found"}); the Responses API's retrieve, delete and cancel say
+    that nothing is kept, and the openai client raises NotFoundError."""
+    llm, server, addr, base, client, _ = api
+    missing = httpx.post(f"{base}/v1/embeddings", json={"input": "x"})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    assert missing.json()["error"]["message"].startswith("no route POST /v1/embeddings; served: ")
+    assert "POST /v1/responses" in missing.json()["error"]["message"]
+    wrong_method = httpx.get(f"{base}/v1/chat/completions")
+    assert wrong_method.status_code == 405 and "no route GET /v1/chat/completions" in wrong_method.text
+    with pytest.raises(openai.NotFoundError, match="this server keeps no responses"):
+        client.responses.retrieve("resp_123")
+    cancelled = httpx.post(f"{base}/v1/responses/resp_123/cancel")
+    assert cancelled.status_code == 404 and cancelled.json()["error"]["param"] == "response_id"
+
+
 def test_a_disconnected_stream_or_call_frees_its_pages(api):
     llm, server, addr, base, client, _ = api
     _wait_until_idle(llm, server)

@@ -103,6 +103,7 @@ def test_the_http_api_takes_the_same_tls_and_tokens(secured, pki):
             refused = http.post(f"{url}/v1/responses", json={"input": 5}, headers=headers)
             assert refused.status_code == 401, refused.text
         assert http.get(f"{url}/v1/models").status_code == 401
+        assert http.get(f"{url}/v1/no-such-route").status_code == 401  # a stranger learns no routes
         for route in ("/metrics", "/version"):  # vLLM leaves them open; here a token, as the API's
             assert http.get(f"{url}{route}").status_code == 401
             assert http.get(f"{url}{route}", headers={"Authorization": f"Bearer {ALICE}"}).status_code == 200

@@ -26,8 +26,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.assembly import EngineHandle
 from jaxserve.engine.async_engine import Delta, EngineStoppedError, EngineThread, QueueFullError, RequestIdInUseError
@@ -465,6 +466,21 @@ class OpenAIServer:
         async def api_error(request, e: APIError):
             return e.response()
 
+        @app.exception_handler(StarletteHTTPException)
+        async def no_route(request: Request, e: StarletteHTTPException):
+            """An unknown path or method: OpenAI's error body (a client reads error.message),
+            naming what is served, where FastAPI's {"detail": "Not Found"} said nothing."""
+            if e.status_code not in (404, 405):
+                return JSONResponse({"detail": e.detail}, status_code=e.status_code, headers=e.headers)
+            try:
+                self._client(request)  # with tokens configured, a stranger learns no routes
+            except APIError as refused:
+                return refused.response()
+            routes = sorted(f"{m} {r.path}" for r in app.routes for m in getattr(r, "methods", ()) if m != "HEAD")
+            message = f"no route {request.method} {request.url.path}; served: {', '.join(routes)}"
+            kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+            return APIError(e.status_code, message, type_=kind).response()
+
         @app.get("/health")
         async def health():
             return Response(status_code=200 if self.state() == "serving" else 503)
@@ -499,6 +515,20 @@ class OpenAIServer:
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat)
         app.post("/v1/responses")(self.responses)
+
+        @app.get("/v1/responses/{response_id}")  # OpenAI's retrieve, delete and cancel: nothing is kept
+        @app.delete("/v1/responses/{response_id}")
+        @app.post("/v1/responses/{response_id}/cancel")
+        async def stored_response(request: Request, response_id: str):
+            self._client(request)
+            shown = response_id if len(response_id) <= 40 else f"{response_id[:40]}..."
+            raise APIError(
+                404,
+                f"response {shown!r}: this server keeps no responses (store is taken, nothing is kept)",
+                param="response_id",
+                type_="not_found_error",
+            )
+
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         app.get("/tokenizer_info")(self.tokenizer_info)
