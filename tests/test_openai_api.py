@@ -898,6 +898,7 @@ def test_responses_api_structured_output_and_refusals(api):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
     # the defaults that ask for nothing more pass
     ok = {"store": True, "truncation": "disabled", "tools": [], "tool_choice": "auto", "include": []}
+    ok |= {"background": False, "top_logprobs": 0, "reasoning": {}}  # OpenAI's and vLLM's defaults
     assert (
         httpx.post(
             f"{base}/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 2, **ok}

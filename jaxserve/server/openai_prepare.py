@@ -198,7 +198,7 @@ class RequestPreparer:
         message before ``input``'s messages, rendered as a chat; ``text.format`` as
         response_format; the rest as on /v1/chat/completions."""
         for name, why in RESPONSES_REFUSED.items():
-            if getattr(body, name) not in (None, []):
+            if getattr(body, name):  # set to ask for something: false, 0, [] and {} ask for nothing
                 raise APIError(400, f"{name}: {why}", param=name)
         if body.truncation not in (None, "disabled"):
             raise APIError(

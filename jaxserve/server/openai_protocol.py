@@ -345,7 +345,7 @@ class ResponsesRequest(SamplingCore):
     service_tier: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
-    # Refused unless unset or empty (RESPONSES_REFUSED):
+    # Refused unless unset, false, 0 or empty (RESPONSES_REFUSED):
     tools: list[Any] | None = None
     previous_response_id: str | None = None
     conversation: Any = None
