@@ -57,9 +57,9 @@ RESERVED_TEMPLATE_NAMES = (
 )
 
 
-def template_variables(chat_template_kwargs: Any) -> dict[str, Any]:
+def template_variables(chat_template_kwargs: Any, field: str = "chat_template_kwargs") -> dict[str, Any]:
     """vLLM's ``chat_template_kwargs``, checked: a mapping of variable names to values for the
-    chat template ({} for None).
+    chat template ({} for None); errors name ``field``.
 
     Raises:
         RequestError: not a mapping of names, or a reserved name.
@@ -67,11 +67,11 @@ def template_variables(chat_template_kwargs: Any) -> dict[str, Any]:
     if chat_template_kwargs is None:
         return {}
     if not isinstance(chat_template_kwargs, dict) or not all(isinstance(k, str) for k in chat_template_kwargs):
-        raise RequestError("chat_template_kwargs: a mapping of the chat template's variable names to their values")
+        raise RequestError(f"{field}: a mapping of the chat template's variable names to their values")
     for name in chat_template_kwargs:
         if name in RESERVED_TEMPLATE_NAMES:
             raise RequestError(
-                f"chat_template_kwargs.{name}: not a variable this server passes to the template (a request "
+                f"{field}.{name}: not a variable this server passes to the template (a request "
                 f"field or apply_chat_template's own); reserved: {', '.join(RESERVED_TEMPLATE_NAMES)}"
             )
     return dict(chat_template_kwargs)
@@ -151,7 +151,8 @@ class EngineHandle:
                 raise RequestError(
                     f"{field}: this model's tokenizer has no chat template; send the prompt as text or token ids"
                 )
-            variables = template_variables(chat_template_kwargs)
+            # Named beside the messages' field: chat.messages' kwargs are chat.chat_template_kwargs.
+            variables = template_variables(chat_template_kwargs, f"{field[: field.rfind('.') + 1]}chat_template_kwargs")
             try:
                 text = self.tokenizer.apply_chat_template(
                     prompt,

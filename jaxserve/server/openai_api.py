@@ -405,7 +405,7 @@ class OpenAIServer:
 
         async def collect():
             (answer,) = await gather(deltas, 1)
-            return build.response("completed", answer.text, answer.final)
+            return build.response(answer.text, answer.final)
 
         return await self._unless_disconnected(request, collect())
 

@@ -330,7 +330,9 @@ class ResponsesRequest(SamplingCore):
     """OpenAI's Responses API (POST /v1/responses) as far as it is served: a conversation
     (``input`` after ``instructions``) answered by one assistant message, in text or a
     structured format (``text.format``); vLLM's sampling extras as on the other endpoints.
-    The rest is refused by name (``RESPONSES_REFUSED``)."""
+    The rest is refused by name (``RESPONSES_REFUSED``), but for fields that ask for nothing
+    more here (``tool_choice``, ``parallel_tool_calls``, ``service_tier``, ...), dropped as
+    unknown fields are."""
 
     input: str | list[ResponseInputItem]
     instructions: str | None = None
@@ -338,13 +340,7 @@ class ResponsesRequest(SamplingCore):
     text: ResponseTextConfig | None = None
     metadata: dict[str, str] | None = None
     store: bool = True  # OpenAI's default; nothing is kept here (as vLLM without its store)
-    # Accepted at the values that ask for nothing more:
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     truncation: str | None = None  # "disabled" (OpenAI's default) only
-    service_tier: Any = None
-    prompt_cache_key: Any = None
-    safety_identifier: Any = None
     # Refused unless unset, false, 0 or empty (RESPONSES_REFUSED):
     tools: list[Any] | None = None
     previous_response_id: str | None = None

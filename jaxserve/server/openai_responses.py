@@ -46,13 +46,12 @@ class ResponseBuilder:
         self.model = model
         self.sequence = 0
 
-    def response(self, status: str, text: str | None = None, final: Delta | None = None) -> dict:
-        """The response object: in progress (no output yet), or finished with ``text``."""
+    def response(self, text: str | None = None, final: Delta | None = None) -> dict:
+        """The response object: in progress (no ``final`` delta yet, no output), or finished
+        with ``text``."""
         body = self.body
         fmt = body.text.format if body.text is not None and body.text.format is not None else None
-        incomplete = None
-        if final is not None:
-            status, incomplete = status_of(final.finish_reason)
+        status, incomplete = ("in_progress", None) if final is None else status_of(final.finish_reason)
         output = [] if text is None else [self.message(status, text)]
         return {
             "id": self.id,
@@ -99,8 +98,8 @@ class ResponseBuilder:
         message and the message's text part added."""
         where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         return [
-            self.event("response.created", response=self.response("in_progress")),
-            self.event("response.in_progress", response=self.response("in_progress")),
+            self.event("response.created", response=self.response()),
+            self.event("response.in_progress", response=self.response()),
             self.event("response.output_item.added", output_index=0, item=self.message("in_progress", None)),
             self.event("response.content_part.added", **where, part=self.part("")),
         ]
@@ -117,7 +116,7 @@ class ResponseBuilder:
         was cut at max_output_tokens (as vLLM sends it; the openai client's stream helper
         waits for that event, and OpenAI's own response.incomplete left it without one)."""
         where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        done = self.response("completed", text, final)
+        done = self.response(text, final)
         return [
             self.event("response.output_text.done", **where, text=text, logprobs=[]),
             self.event("response.content_part.done", **where, part=self.part(text)),

@@ -13,7 +13,7 @@ import json
 import jinja2
 import numpy as np
 
-from jaxserve.assembly import EngineHandle, template_variables
+from jaxserve.assembly import EngineHandle
 from jaxserve.errors import RequestError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.config import ServerConfig
@@ -101,12 +101,8 @@ def chat_options(chat: pb.ChatMessages) -> dict:
             variables = json.loads(chat.chat_template_kwargs)
         except ValueError as e:
             raise RequestError(f"chat.chat_template_kwargs: not JSON ({e})") from None
-        if not isinstance(variables, dict):
+        if not isinstance(variables, dict):  # its names are checked with the messages (EngineHandle.encode)
             raise RequestError("chat.chat_template_kwargs: a JSON object of the chat template's variables")
-        try:
-            template_variables(variables)
-        except RequestError as e:  # named as the wire names it
-            raise RequestError(f"chat.{e}") from None
     return {
         "add_generation_prompt": add_generation_prompt,
         "continue_final_message": chat.continue_final_message,
