@@ -9,6 +9,8 @@ build, for a side-by-side table on one machine (README, "Against vLLM's CPU buil
     # 3. the runs (VLLM_CPU_NUM_OF_RESERVED_CPU=0: every core computes, as jaxserve's do)
     VLLM_CPU_NUM_OF_RESERVED_CPU=0 /tmp/vllm/bin/python scripts/vllm_compare.py offline /tmp/smollm2-hf --dtype bfloat16
     VLLM_CPU_NUM_OF_RESERVED_CPU=0 /tmp/vllm/bin/python scripts/vllm_compare.py latency /tmp/smollm2-hf --dtype bfloat16
+    # prompts sharing their first 150 tokens, vLLM's prefix caching on (jaxserve bench offline --shared-prefix 150)
+    VLLM_CPU_NUM_OF_RESERVED_CPU=0 /tmp/vllm/bin/python scripts/vllm_compare.py offline /tmp/smollm2-hf --shared-prefix 150
     # as on a CPU without AMX (against JAXSERVE_CPU_AMX=0 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 jaxserve ...)
     VLLM_CPU_NUM_OF_RESERVED_CPU=0 /tmp/vllm/bin/python scripts/vllm_compare.py latency /tmp/smollm2-hf --no-amx
     # 4. serving, both measured by the same client (`jaxserve bench serve` speaks OpenAI HTTP).
@@ -72,24 +74,33 @@ def run(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, dtype=args.dtype, seed=0, gpu_memory_utilization=0.5, enable_prefix_caching=False)
+    # Prefix caching (vLLM's automatic one) only where the workload shares a prefix: with
+    # none to find it costs vLLM its hashing, which jaxserve's radix tree does not pay.
+    caching = args.mode == "offline" and args.shared_prefix > 0
+    llm = LLM(model=args.model, dtype=args.dtype, seed=0, gpu_memory_utilization=0.5, enable_prefix_caching=caching)
     if args.mode == "offline":
         rng = random.Random(0)  # draws as jaxserve.bench.offline.workload does: the same token ids
         work = [
             ([rng.randrange(3, 49152) for _ in range(rng.randint(200, 200))], rng.randint(64, 64)) for _ in range(32)
         ]
+        k = args.shared_prefix  # every prompt starts with the first one's first k tokens, as there
+        work = [(work[0][0][:k] + ids[k:], m) for ids, m in work]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in work]
         # As `jaxserve bench offline --temperature T --top-p P`, but unseeded: vLLM 0.32's CPU
         # build fails a second generate with per-request seeds ("CPU Generator does not use
         # offset"); a seed changes which tokens come, not what a draw costs.
         params = SamplingParams(max_tokens=64, temperature=args.temperature, top_p=args.top_p, ignore_eos=True)
         for i in range(3):
+            if caching:
+                llm.reset_prefix_cache()  # a run finds none of the last one's prompts, as jaxserve's bench
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - t0
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            shared = f", {k}-token shared prefix" if k else ""
             print(
-                f"vllm {args.dtype} offline run {i}: {seconds:.2f} s, {tokens / seconds:.1f} output tok/s", flush=True
+                f"vllm {args.dtype}{shared} offline run {i}: {seconds:.2f} s, {tokens / seconds:.1f} output tok/s",
+                flush=True,
             )
         return
     # as jaxserve bench latency --prompt-len N
@@ -117,8 +128,18 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="offline: 0 (greedy, the default) or sampled")
     p.add_argument("--top-p", type=float, default=1.0, help="offline, with --temperature > 0")
     p.add_argument("--prompt-len", type=int, default=500, help="latency: the prompt's tokens")
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="K",
+        help="offline: every prompt starts with the same K tokens (at most 200), prefix caching on, "
+        "as `jaxserve bench offline --shared-prefix K`",
+    )
     p.add_argument("--no-amx", action="store_true", help="run as on a CPU without AMX (without_amx)")
     args = p.parse_args()
+    if not 0 <= args.shared_prefix <= 200:
+        p.error(f"--shared-prefix {args.shared_prefix}: must be from 0 to 200 (the prompts' length)")
     convert(args.model) if args.mode == "convert" else run(args)
 
 

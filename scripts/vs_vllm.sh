@@ -13,6 +13,9 @@
 #             gRPC and HTTP APIs, one client (`jaxserve bench serve`); not with --no-amx
 #             (vLLM's server runs its engine in another process, which the patch of
 #             --no-amx does not reach)
+# Each round: offline 32 x 200 / 64 in bfloat16 and float32 (prefix caching off in vLLM, no
+# prefix to find), the same in bfloat16 with every prompt's first 150 tokens shared (both
+# engines' prefix caches on), the first token of a 500-token prompt and a lone decode.
 # Prints the CPU model first: state it with every figure. The serving lines' "itl" columns
 # are p50, p90, p99 and mean (ms). Last, the same figures as one table per round with
 # jaxserve against vLLM (scripts/vs_vllm_table.py, which also reads a saved log).
@@ -56,11 +59,14 @@ trap 'rm -f "$log"' EXIT
 {
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs), family $(grep -m1 'cpu family' /proc/cpuinfo | cut -d: -f2 | xargs) model $(grep -m1 '^model\s' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; $(grep -o -E 'amx_bf16|avx512_bf16' /proc/cpuinfo | sort -u | xargs)${no_amx:+; as without AMX}"
 for r in $(seq 1 "$rounds"); do
-  for dt in bfloat16 float32; do
+  for dt in bfloat16 float32 "bfloat16 shared"; do
+    # the third: prompts sharing their first 150 tokens, both engines' prefix caches on
+    extra=() name=$dt
+    [ "$dt" = "bfloat16 shared" ] && dt=bfloat16 extra=(--shared-prefix 150) name="bfloat16, 150-token shared prefix"
     # shellcheck disable=SC2046
-    echo "round $r offline $dt: jaxserve $(ours bench offline --requests 32 --prompt 200:200 --output 64:64 $(set_for $dt) \
+    echo "round $r offline $name: jaxserve $(ours bench offline --requests 32 --prompt 200:200 --output 64:64 "${extra[@]}" $(set_for $dt) \
       | awk '/outputs [0-9a-f]+/ {match($0, /outputs [0-9a-f]+/); d = substr($0, RSTART, RLENGTH)} /^config +[0-9.]/ {t = $3} END {print t " output tok/s (" d ")"}')"
-    echo "round $r offline $dt: vLLM $(vllm offline "$MODEL" --dtype $dt | grep -o '[0-9.]* output tok/s' | cut -d' ' -f1 | paste -sd/) output tok/s (3 runs)"
+    echo "round $r offline $name: vLLM $(vllm offline "$MODEL" --dtype $dt "${extra[@]}" | grep -o '[0-9.]* output tok/s' | cut -d' ' -f1 | paste -sd/) output tok/s (3 runs)"
   done
   # shellcheck disable=SC2046
   echo "round $r latency bfloat16: jaxserve $(ours bench latency --prompt-len 500 $(set_for bfloat16) | grep -E '^(prefill|decode)' | xargs)"

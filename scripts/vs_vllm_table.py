@@ -20,9 +20,9 @@ _NUM = r"([\d.]+)"
 
 
 def _offline(rows: dict, line: str) -> None:
-    if m := re.search(rf"offline (\w+): jaxserve {_NUM} output tok/s \((outputs \w+)\)", line):
+    if m := re.search(rf"offline ([^:]+): jaxserve {_NUM} output tok/s \((outputs \w+)\)", line):
         rows.setdefault(f"offline {m[1]}", {}).update(ours=float(m[2]), note=m[3])
-    elif m := re.search(r"offline (\w+): vLLM ([\d./]+) output tok/s", line):
+    elif m := re.search(r"offline ([^:]+): vLLM ([\d./]+) output tok/s", line):
         rows.setdefault(f"offline {m[1]}", {})["vllm"] = [float(x) for x in m[2].split("/") if x]
 
 

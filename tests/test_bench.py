@@ -184,6 +184,28 @@ def test_bench_offline_rows_agree_on_greedy_outputs(tiny_model_dir, capsys):
         assert len(each) == 2 and each[0] == each[1] and each[0][0] == steps, printed
 
 
+def test_bench_offline_shared_prefix_is_computed_once(tiny_model_dir, capsys):
+    """--shared-prefix K: every prompt starts with the first one's first K tokens, the rest
+    (and every length) drawn as without it, so the two workloads have the same token
+    counts; the prefix cache computes the K tokens once, which the row's count of tokens
+    computed shows: (requests - 1) * K fewer."""
+    from jaxserve.bench.offline import workload
+
+    plain, shared = workload(6, (20, 40), (2, 5), 300, 0), workload(6, (20, 40), (2, 5), 300, 0, shared_prefix=16)
+    assert [(len(ids), m) for ids, m in shared] == [(len(ids), m) for ids, m in plain]
+    for (ids, _), (own, _) in zip(shared, plain, strict=True):
+        assert ids[:16] == plain[0][0][:16] and ids[16:] == own[16:]
+    path, _ = tiny_model_dir("llama3")
+    args = ["bench", "offline", *_engine_args(path), "--requests", "6", "--prompt", "20:40", "--output", "2:5"]
+    computed = {}
+    for k in (0, 16):
+        assert main([*args, "--shared-prefix", str(k)]) == 0
+        printed = capsys.readouterr().out
+        computed[k] = int(re.search(r"; (\d+) tokens computed", printed)[1])
+    assert "the first 16 of each prompt shared" in printed
+    assert computed[0] - computed[16] == 5 * 16, computed
+
+
 def test_bench_latency_and_prefix_cache_report(tiny_model_dir, capsys):
     path, _ = tiny_model_dir("llama3")
     assert main(["bench", "latency", *_engine_args(path), "--prompt-len", "40", "--new-tokens", "4"]) == 0
@@ -245,6 +267,10 @@ def test_bench_variant_errors_name_the_format(capsys):
     assert "--variant 'nothing': expected NAME:KEY=VALUE" in capsys.readouterr().err
     assert main(["bench", "offline", "--temperature", "1", "--top-p", "1.5"]) == 2
     assert capsys.readouterr().err == "jaxserve: error: sampling_params.top_p = 1.5: must be a number in (0, 1]\n"
+    assert main(["bench", "offline", "--prompt", "100:300", "--shared-prefix", "150"]) == 2
+    assert capsys.readouterr().err == (
+        "jaxserve: error: --shared-prefix 150: must be at most the shortest prompt (--prompt 100:300)\n"
+    )
 
 
 @pytest.mark.parametrize(
@@ -254,6 +280,7 @@ def test_bench_variant_errors_name_the_format(capsys):
         (["bench", "offline", "--prompt", "300:100"], "'300:100': must be LO:HI with 1 <= LO <= HI"),
         (["bench", "offline", "--output", "0"], "'0': must be LO:HI with 1 <= LO <= HI"),
         (["bench", "offline", "--requests", "0"], "0: must be an integer >= 1"),  # was a traceback
+        (["bench", "offline", "--shared-prefix", "-1"], "-1: must be an integer >= 0"),
         (["bench", "latency", "--prompt-len", "-5"], "-5: must be an integer >= 1"),  # was -235 tok/s
         (["bench", "serve", "--vocab", "1"], "1: must be an integer >= 2"),
         (["bench", "serve", "--interval", "nan"], "nan: must be a number of seconds > 0"),

@@ -18,6 +18,8 @@ round 1 offline bfloat16: jaxserve 322.2 output tok/s (outputs 98b80c5132dc)
 round 1 offline bfloat16: vLLM 260.6/268.5/270.9 output tok/s (3 runs)
 round 1 offline float32: jaxserve 162.1 output tok/s (outputs 78e5a9677d88)
 round 1 offline float32: vLLM 139.1/146.7/151.3 output tok/s (3 runs)
+round 1 offline bfloat16, 150-token shared prefix: jaxserve 803.8 output tok/s (outputs a09801447bfe)
+round 1 offline bfloat16, 150-token shared prefix: vLLM 565.5/582.2/585.0 output tok/s (3 runs)
 round 1 latency bfloat16: jaxserve prefill 500 tokens: 348 ms (1435 tok/s) decode at batch 1: 15.6 ms/token (64.1 tok/s)
 round 1 latency bfloat16: vLLM prefill 500 tokens 364 ms, decode 27.7 ms/token then prefill 500 tokens 356 ms, \
 decode 26.5 ms/token
@@ -40,6 +42,12 @@ def test_a_round_becomes_rows_with_vllms_best_against_ours():
     )
     assert rows["offline bfloat16"] == ["260.6/268.5/270.9", "322.2 (outputs 98b80c5132dc)", "1.19x"]
     assert rows["offline float32"][2] == "1.07x"  # 162.1 against the best, 151.3
+    # (that row from 2026-12-07's AMX Xeon: the script's rows are appended as they come)
+    assert rows["offline bfloat16, 150-token shared prefix"] == [
+        "565.5/582.2/585.0",
+        "803.8 (outputs a09801447bfe)",
+        "1.37x",
+    ]
     assert rows["first token, 500-token prompt"] == ["364 ms / 356 ms", "348 ms", "0.98x vLLM's time"]
     assert rows["lone decode"][2] == "1.70x"  # vLLM's better run, 26.5 ms/token, over 15.6
     assert rows["16 streams, jaxserve gRPC"] == [

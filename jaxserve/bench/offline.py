@@ -4,7 +4,10 @@ against variants of its config, static batching and transformers' padded `genera
 Workload: ``--requests`` token-id prompts with lengths drawn from ``--prompt LO:HI`` and
 outputs from ``--output LO:HI``, EOS ignored (every request produces exactly its output
 length); greedy, or sampled with ``--temperature`` / ``--top-p`` (request i seeded with i,
-so a run repeats; vLLM's own throughput benchmark samples at temperature 1). Rows:
+so a run repeats; vLLM's own throughput benchmark samples at temperature 1). With
+``--shared-prefix K`` every prompt starts with the same K tokens, the rest drawn as before
+(the same token counts): what the prefix cache saves, against vLLM's automatic prefix
+caching with ``scripts/vllm_compare.py offline --shared-prefix K``. Rows:
 
 * the config (``--config`` / ``--set``), and each ``--variant NAME:KEY=VALUE[,KEY=VALUE]``
   on top of it (e.g. ``bf16:weight_dtype=bfloat16,kv_cache_dtype=bfloat16``);
@@ -40,6 +43,7 @@ import time
 from typing import NamedTuple
 
 from jaxserve.bench import add_engine_options, at_least, engine_config, fits_context, footer, parse_variant, sizes, span
+from jaxserve.errors import ConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static", action="store_true", help="add the config in static batching")
     p.add_argument("--hf-batch", type=sizes, default=[], help="comma-separated transformers batch sizes, each a row")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--shared-prefix",
+        type=at_least(0),
+        default=0,
+        metavar="K",
+        help="every prompt starts with the same K tokens (at most --prompt's LO): the prefix cache's workload",
+    )
     p.add_argument(
         "--repeat",
         type=at_least(1),
@@ -68,9 +79,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int, seed: int):
+def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int, seed: int, shared_prefix: int = 0):
+    """n (prompt token ids, output length) pairs. With ``shared_prefix`` k every prompt starts
+    with the first prompt's first k tokens (the rest of each, and every length, drawn as
+    without it: the same token counts)."""
     rng = random.Random(seed)
-    return [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*output)) for _ in range(n)]
+    work = [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*output)) for _ in range(n)]
+    prefix = work[0][0][:shared_prefix]
+    return [(prefix + ids[shared_prefix:], m) for ids, m in work]
 
 
 def sampling(work, temperature: float = 0.0, top_p: float = 1.0, regex: str | None = None) -> list:
@@ -148,7 +164,8 @@ def run_engine(cfg, work, params, static: bool, quiet: bool, repeat: int = 1) ->
         f"{elapsed * ms:.1f} ms against {device_only * ms:.1f} device-only ({100 * (elapsed / device_only - 1):+.1f}%, "
         f"overlap {'on' if llm.engine.overlap else 'off'}); host work {host * ms:.2f} ms (schedule + pack "
         f"{eng['schedule_s'] * ms:.2f} of which pack and send {run['pack_s'] * ms:.2f}, update {eng['update_s'] * ms:.2f}), "
-        f"waiting on the device {run['device_s'] * ms:.1f} ms; step inputs {input_bytes / steps / 1e3:.1f} kB"
+        f"waiting on the device {run['device_s'] * ms:.1f} ms; step inputs {input_bytes / steps / 1e3:.1f} kB; "
+        f"{median.tokens} tokens computed"
     )
     if repeat > 1:
         each = ", ".join(
@@ -204,6 +221,11 @@ def main(args: argparse.Namespace) -> int:
     from jaxserve.models.fetch import default_cache_dir, resolve_model
 
     SamplingParams(temperature=args.temperature, top_p=args.top_p)  # a bad value: its error before anything loads
+    if args.shared_prefix > args.prompt[0]:
+        lo, hi = args.prompt
+        raise ConfigError(
+            f"--shared-prefix {args.shared_prefix}: must be at most the shortest prompt (--prompt {lo}:{hi})"
+        )
     base = engine_config(args)
     rows = [("config", base, False, None)]
     for v in args.variant:
@@ -215,12 +237,14 @@ def main(args: argparse.Namespace) -> int:
         rows.append((f"constrained to {args.constrained}", base, False, args.constrained))
     model_path = resolve_model(base.model, base.cache_dir)
     vocab = open_checkpoint(model_path, base.cache_dir or default_cache_dir()).config.vocab_size  # as assemble opens it
-    work = workload(args.requests, args.prompt, args.output, vocab, args.seed)
+    work = workload(args.requests, args.prompt, args.output, vocab, args.seed, args.shared_prefix)
     params = {regex: sampling(work, args.temperature, args.top_p, regex) for regex in {None, args.constrained}}
     prompt_tokens, output_tokens = sum(len(ids) for ids, _ in work), sum(m for _, m in work)
     how = f"temperature {args.temperature}, top-p {args.top_p}" if args.temperature > 0 else "greedy"
+    shared = f", the first {args.shared_prefix} of each prompt shared" if args.shared_prefix else ""
     print(
-        f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens ({how}), model {base.model}"
+        f"workload: {len(work)} requests, {prompt_tokens} prompt + {output_tokens} output tokens ({how}){shared}, "
+        f"model {base.model}"
     )
     seconds, produced = {}, {}
     for name, cfg, static, regex in rows:
