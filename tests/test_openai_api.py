@@ -361,6 +361,26 @@ def test_null_is_a_fields_default_as_in_openais_api(api):
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages", missing.json()
 
 
+def test_an_unknown_field_is_ignored_and_logged_once_as_vllm_does(api, caplog):
+    """A field the server does not know changes nothing (vLLM's server drops it too), and
+    the log names it once, in the body or a message where it was: a misspelt option
+    (``temprature``) is otherwise silently without effect."""
+    llm, server, addr, base, client, _ = api
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 4, "temperature": 0.0}
+    plain = httpx.post(f"{base}/v1/chat/completions", json=body).json()
+    messages = [{**CHAT[0], "unknown_in_a_message": 1}, CHAT[1]]
+    odd = {**body, "messages": messages, "temprature": 1.5}
+    with caplog.at_level("WARNING", logger="jaxserve.server.openai_protocol"):
+        for _ in range(2):
+            reply = httpx.post(f"{base}/v1/chat/completions", json=odd)
+            assert reply.status_code == 200 and reply.json()["choices"] == plain["choices"]
+    logged = [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()]
+    assert logged == [
+        "a request's ChatRequest has a field this server ignores: 'temprature' (logged once)",
+        "a request's ChatMessage has a field this server ignores: 'unknown_in_a_message' (logged once)",
+    ], logged
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_eval_harnesses_ask(api):
     """lm-eval's loglikelihood request over OpenAI's API: echo, logprobs, max_tokens 1 (or 0).
     The choice's logprobs cover the prompt's tokens (the first has none) then the output's:

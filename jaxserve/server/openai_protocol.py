@@ -1,7 +1,7 @@
 """The OpenAI API's wire types: its request bodies as pydantic models, and its error.
 
-Bodies ignore unknown fields, as OpenAI's API does, take null for an optional field as its
-default, and are strict about types (``true`` is not token id 1). Every refusal is an
+Bodies ignore unknown fields, as vLLM's server does (each name logged once; OpenAI's own
+API refuses them), take null for an optional field as its default, and are strict about types (``true`` is not token id 1). Every refusal is an
 ``APIError``: a status, OpenAI's error type and the field at fault (``param``), which
 ``openai_api.py`` answers with OpenAI's error body.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 import types
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator, model_validator
 
 from jaxserve.errors import RequestError
+
+logger = logging.getLogger(__name__)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 MAX_ERROR_CHARS = 1000
@@ -83,7 +86,7 @@ def validation_error(errors: list[dict]) -> APIError:
     return APIError(400, message, param=param)
 
 
-# --- request bodies (unknown fields are ignored, as OpenAI's API does) ---------------
+# --- request bodies (unknown fields are ignored, as vLLM's server does) ---------------
 
 # A union member's tag in a pydantic error's path: "prompt.list[int].0" (prompt as token ids).
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\])$")
@@ -110,7 +113,27 @@ class _Body(BaseModel):
         if isinstance(data, dict):
             defaulted = _not_nullable_with_default(cls)
             data = {k: v for k, v in data.items() if v is not None or k not in defaulted}
+            _log_unknown(cls, data)
         return data
+
+
+_LOGGED_UNKNOWN: set[tuple[str, str]] = set()
+
+
+def _log_unknown(model: type[BaseModel], data: dict) -> None:
+    """Logs a field that ``model`` does not know, once per name (as vLLM's server warns of
+    the fields it ignored: a misspelt option is otherwise silently without effect), at most
+    256 names: a client sending random keys cannot grow the set without bound."""
+    known = _known_keys(model)
+    for key in data:
+        if key not in known and len(_LOGGED_UNKNOWN) < 256 and (model.__name__, key) not in _LOGGED_UNKNOWN:
+            _LOGGED_UNKNOWN.add((model.__name__, key))
+            logger.warning("a request's %s has a field this server ignores: %.80r (logged once)", model.__name__, key)
+
+
+@functools.cache
+def _known_keys(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(k for name, f in model.model_fields.items() for k in (name, f.alias) if k)
 
 
 @functools.cache
