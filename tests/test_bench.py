@@ -70,6 +70,12 @@ def test_bench_workloads_report_metrics(addr, tmp_path, capsys, workload, extra)
     assert s["requests"] > 0 and s["errors"] == 0 and s["output_tokens"] > 0
     for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
         assert s[key]["p50"] <= s[key]["p99"]
+    # every request as it went, in the order sent: what makes each percentile
+    each = report["requests"]
+    assert len(each) == s["requests"] + s["errors"] and sum(r["output_tokens"] for r in each) == s["output_tokens"]
+    assert [r["sent_s"] for r in each] == sorted(r["sent_s"] for r in each) and each[0]["sent_s"] >= 0
+    assert all(0 < r["ttft_s"] <= r["e2e_s"] and len(r["itls_s"]) <= r["output_tokens"] - 1 for r in each)
+    assert np.percentile([r["ttft_s"] for r in each], 50) == s["ttft_s"]["p50"]
     printed = capsys.readouterr().out
     assert "tok/s" in printed and "ttft" in printed and "p99 ms" in printed
     if workload in ("shared-prefix", "multi-turn"):

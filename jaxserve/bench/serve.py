@@ -15,7 +15,8 @@ Load: a fixed --concurrency, or Poisson arrivals at --request-rate (requests/s);
 either (``--concurrency 1,4,16``) sweeps it, one run per value (each with its own prompts,
 so the prefix cache does not carry one run into the next).
 Reports TTFT, inter-token latency, TPOT and end-to-end latency (p50/p90/p99), output and
-total throughput, prefix-cache hit rate; prints a table, writes JSON with --json and a
+total throughput, prefix-cache hit rate; prints a table, writes JSON with --json (also every
+request: when it was sent, its TTFT, its inter-token gaps, as vLLM's saved results) and a
 picture with --plot (a sweep: curves against load).
 """
 
@@ -54,6 +55,7 @@ class Result:
     e2e: float = 0.0
     error: str | None = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    sent: float = 0.0  # perf_counter() when the request went out
 
 
 class GrpcTarget:
@@ -178,7 +180,7 @@ def target(args) -> GrpcTarget | OpenAITarget:
 
 async def _one(server, ids: list[int], max_tokens: int, tag: str, timeout: float) -> Result:
     res = Result(tag, prompt_tokens=len(ids))
-    t0 = time.perf_counter()
+    t0 = res.sent = time.perf_counter()
     last = None
     async for _ in server.stream(res, ids, max_tokens, timeout):
         now = time.perf_counter()
@@ -301,6 +303,22 @@ async def run_bench(args) -> dict:
     if args.workload == "long-prompt-interference":
         report["steady"] = summarize(results, seconds, "steady")
         report["long"] = summarize(results, seconds, "long")
+    # Each request as it went (--json; vLLM's saved results carry the same): which requests
+    # make a percentile, and when they were sent.
+    report["requests"] = [
+        {
+            "tag": r.tag,
+            "sent_s": r.sent - t0,
+            "prompt_tokens": r.prompt_tokens,
+            "output_tokens": r.output_tokens,
+            "cached_tokens": r.cached_tokens,
+            "ttft_s": r.ttft,
+            "e2e_s": r.e2e,
+            "itls_s": r.itls,
+            "error": r.error,
+        }
+        for r in sorted(results, key=lambda r: r.sent)
+    ]
     return report
 
 
