@@ -10,7 +10,8 @@
 #   --no-amx  both engines as on a CPU without AMX: JAXSERVE_CPU_AMX=0 and
 #             ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 for jaxserve, vllm_compare.py --no-amx
 #   --serve   also 16 streams (64 x 200 / 64) against vLLM's OpenAI server and jaxserve's
-#             gRPC and HTTP APIs, one client (`jaxserve bench serve`); not with --no-amx
+#             gRPC and HTTP APIs, one client (`jaxserve bench serve`), then 16 streams of
+#             prompts sharing 4 system prompts (both prefix caches on); not with --no-amx
 #             (vLLM's server runs its engine in another process, which the patch of
 #             --no-amx does not reach)
 # Each round: offline 32 x 200 / 64 in bfloat16 and float32 (prefix caching off in vLLM, no
@@ -72,21 +73,32 @@ for r in $(seq 1 "$rounds"); do
   echo "round $r latency bfloat16: jaxserve $(ours bench latency --prompt-len 500 $(set_for bfloat16) | grep -E '^(prefill|decode)' | xargs)"
   echo "round $r latency bfloat16: vLLM $(vllm latency "$MODEL" --dtype bfloat16 | sed 's/^vllm bfloat16: //' | paste -sd'|' | sed 's/|/ then /')"
   [ -n "$serve" ] || continue
-  streams=(bench serve --workload random --num-requests 64 --concurrency 16 --input-len 200:200 --output-len 64:64 --seed 1)
-  settle "scripts/vllm_compare.py"
-  (cd /tmp && "$VLLM/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype bfloat16 \
-    --no-enable-prefix-caching --gpu-memory-utilization 0.5 --port 8011 >/tmp/vs_vllm_server.log 2>&1) &
-  for _ in $(seq 600); do curl -sf http://127.0.0.1:8011/v1/models >/dev/null && break; sleep 1; done
-  echo "round $r 16 streams, vLLM OpenAI HTTP: $("$J" "${streams[@]}" --server http://127.0.0.1:8011 2>&1 | tr '\r' '\n' | grep -E '^\[all\]|^  itl|rror' | xargs)"
-  pkill -f "vllm.entrypoints.openai.api_server" || true
-  settle "VLLM::|vllm.entrypoints.openai.api_server"
-  "$J" run --config configs/smollm2-135m.yaml --set enable_prefix_caching=false --quiet >/tmp/vs_jaxserve_server.log 2>&1 &
-  for _ in $(seq 600); do grep -q "jaxserve: serving" /tmp/vs_jaxserve_server.log && break; sleep 1; done
-  for server in 127.0.0.1:50051 http://127.0.0.1:8000; do
-    echo "round $r 16 streams, jaxserve $server: $("$J" "${streams[@]}" --server $server 2>&1 | tr '\r' '\n' | grep -E '^\[all\]|^  itl|rror' | xargs)"
+  for kind in random shared; do
+    if [ "$kind" = random ]; then  # prefix caching off in both: random prompts share nothing
+      streams=(bench serve --workload random --num-requests 64 --concurrency 16 --input-len 200:200 --output-len 64:64 --seed 1)
+      label="16 streams" vllm_cache=(--no-enable-prefix-caching) ours_cache=(--set enable_prefix_caching=false)
+      apis=(127.0.0.1:50051 http://127.0.0.1:8000)
+    else  # 4 system prompts of 512 tokens, 16 questions each, both engines' prefix caches on;
+      # jaxserve over gRPC alone: a second run would find the first one's prompts cached
+      streams=(bench serve --workload shared-prefix --groups 4 --num-requests 64 --system-len 512 --input-len 64:128
+        --output-len 64:64 --concurrency 16 --seed 1)
+      label="16 streams, shared prefix" vllm_cache=() ours_cache=() apis=(127.0.0.1:50051)
+    fi
+    settle "scripts/vllm_compare.py"
+    (cd /tmp && "$VLLM/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype bfloat16 \
+      "${vllm_cache[@]}" --gpu-memory-utilization 0.5 --port 8011 >/tmp/vs_vllm_server.log 2>&1) &
+    for _ in $(seq 600); do curl -sf http://127.0.0.1:8011/v1/models >/dev/null && break; sleep 1; done
+    echo "round $r $label, vLLM OpenAI HTTP: $("$J" "${streams[@]}" --server http://127.0.0.1:8011 2>&1 | tr '\r' '\n' | grep -E '^\[all\]|^  (ttft|itl)|rror' | xargs)"
+    pkill -f "vllm.entrypoints.openai.api_server" || true
+    settle "VLLM::|vllm.entrypoints.openai.api_server"
+    "$J" run --config configs/smollm2-135m.yaml "${ours_cache[@]}" --quiet >/tmp/vs_jaxserve_server.log 2>&1 &
+    for _ in $(seq 600); do grep -q "jaxserve: serving" /tmp/vs_jaxserve_server.log && break; sleep 1; done
+    for server in "${apis[@]}"; do
+      echo "round $r $label, jaxserve $server: $("$J" "${streams[@]}" --server "$server" 2>&1 | tr '\r' '\n' | grep -E '^\[all\]|^  (ttft|itl)|rror' | xargs)"
+    done
+    pkill -f "jaxserve run --config configs/smollm2-135m.yaml" || true
+    settle "jaxserve run --config configs/smollm2-135m.yaml"
   done
-  pkill -f "jaxserve run --config configs/smollm2-135m.yaml" || true
-  settle "jaxserve run --config configs/smollm2-135m.yaml"
 done
 } | tee "$log"
 echo

@@ -37,16 +37,18 @@ def _latency(rows: dict, line: str) -> None:
 
 
 def _streams(rows: dict, line: str) -> None:
-    m = re.search(rf"16 streams, (.+?): .*output {_NUM} tok/s.* itl {_NUM} {_NUM} {_NUM}", line)
+    m = re.search(rf"(16 streams(?:, shared prefix)?), (.+?): .*output {_NUM} tok/s.* itl {_NUM} {_NUM} {_NUM}", line)
     if not m:
         return
-    figures = {"tok/s": float(m[2]), "p50": float(m[3]), "p99": float(m[5])}
-    if m[1].startswith("vLLM"):
-        for api in ("gRPC", "HTTP"):
-            rows.setdefault(f"16 streams, jaxserve {api}", {})["vllm"] = figures
+    figures = {"tok/s": float(m[3]), "p50": float(m[4]), "p99": float(m[6])}
+    if ttft := re.search(rf" ttft {_NUM} {_NUM} {_NUM}", line):  # logs before 2026-12-07 lack it
+        figures.update(ttft_p50=float(ttft[1]), ttft_p99=float(ttft[3]))
+    if m[2].startswith("vLLM"):
+        for api in ("gRPC", "HTTP") if m[1] == "16 streams" else ("gRPC",):  # vs_vllm.sh: shared prefix on gRPC alone
+            rows.setdefault(f"{m[1]}, jaxserve {api}", {})["vllm"] = figures
     else:
-        api = "HTTP" if "http://" in m[1] else "gRPC"
-        rows.setdefault(f"16 streams, jaxserve {api}", {})["ours"] = figures
+        api = "HTTP" if "http://" in m[2] else "gRPC"
+        rows.setdefault(f"{m[1]}, jaxserve {api}", {})["ours"] = figures
 
 
 def parse(lines) -> tuple[str, dict[int, dict]]:
@@ -63,7 +65,8 @@ def parse(lines) -> tuple[str, dict[int, dict]]:
 
 
 def _stream(x: dict) -> str:
-    return f"{x['tok/s']:.1f} tok/s; ITL p50 / p99 {x['p50']:.1f} / {x['p99']:.1f} ms"
+    ttft = f"TTFT p50 / p99 {x['ttft_p50']:.0f} / {x['ttft_p99']:.0f} ms; " if "ttft_p50" in x else ""
+    return f"{x['tok/s']:.1f} tok/s; {ttft}ITL p50 / p99 {x['p50']:.1f} / {x['p99']:.1f} ms"
 
 
 def _cells(name: str, row: dict) -> tuple[str, str, str]:
@@ -81,6 +84,8 @@ def _cells(name: str, row: dict) -> tuple[str, str, str]:
     else:  # 16 streams
         shown = (vllm and _stream(vllm), ours and _stream(ours))
         ratio = vllm and ours and f"{ours['tok/s'] / vllm['tok/s']:.2f}x; p99 {ours['p99'] / ours['p50']:.1f}x p50"
+        if ratio and "ttft_p99" in ours and "ttft_p99" in vllm:
+            ratio += f"; TTFT p99 {ours['ttft_p99'] / vllm['ttft_p99']:.2f}x vLLM's"
     return shown[0] or "-", shown[1] or "-", ratio or "-"
 
 

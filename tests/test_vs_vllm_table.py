@@ -29,6 +29,10 @@ round 1 16 streams, jaxserve 127.0.0.1:50051: [all] 64 requests (0 errors) in 14
 1145.0 tok/s, prefix-cache hit rate 0.0% itl 33.2 73.2 81.7 46.9
 round 1 16 streams, jaxserve http://127.0.0.1:8000: [all] 64 requests (0 errors) in 16.4s: output 249.2 tok/s, total \
 1028.0 tok/s, prefix-cache hit rate 0.0% itl 39.8 84.6 92.2 53.0
+round 1 16 streams, shared prefix, vLLM OpenAI HTTP: [all] 64 requests (0 errors) in 14.8s: output 276.5 tok/s, total \
+2913.6 tok/s, prefix-cache hit rate 0.0% ttft 499.3 957.1 964.1 514.7 itl 48.1 56.4 98.9 50.8
+round 1 16 streams, shared prefix, jaxserve 127.0.0.1:50051: [all] 64 requests (0 errors) in 10.7s: output 381.8 \
+tok/s, total 4022.7 tok/s, prefix-cache hit rate 78.6% ttft 219.3 1215.3 1488.8 405.6 itl 30.2 57.4 70.0 35.3
 """
 
 
@@ -56,6 +60,13 @@ def test_a_round_becomes_rows_with_vllms_best_against_ours():
         "1.30x; p99 2.5x p50",
     ]
     assert rows["16 streams, jaxserve HTTP"][2] == "1.17x; p99 2.3x p50"
+    # (the shared-prefix rows from 2026-12-07's AMX Xeon; since then each line has TTFT too)
+    assert rows["16 streams, shared prefix, jaxserve gRPC"] == [
+        "276.5 tok/s; TTFT p50 / p99 499 / 964 ms; ITL p50 / p99 48.1 / 98.9 ms",
+        "381.8 tok/s; TTFT p50 / p99 219 / 1489 ms; ITL p50 / p99 30.2 / 70.0 ms",
+        "1.38x; p99 2.3x p50; TTFT p99 1.54x vLLM's",
+    ]
+    assert "16 streams, shared prefix, jaxserve HTTP" not in rows  # measured over gRPC alone
 
 
 def test_a_round_without_vllms_side_says_so_instead_of_a_ratio():
