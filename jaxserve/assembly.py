@@ -151,8 +151,15 @@ class EngineHandle:
                 raise RequestError(
                     f"{field}: this model's tokenizer has no chat template; send the prompt as text or token ids"
                 )
-            # Named beside the messages' field: chat.messages' kwargs are chat.chat_template_kwargs.
-            variables = template_variables(chat_template_kwargs, f"{field[: field.rfind('.') + 1]}chat_template_kwargs")
+            # The chat's options are named beside the messages' field: chat.messages' kwargs are
+            # chat.chat_template_kwargs (gRPC), messages' are chat_template_kwargs (HTTP, LLM.chat).
+            beside = field[: field.rfind(".") + 1]
+            if continue_final_message and add_generation_prompt:
+                raise RequestError(
+                    f"{beside}continue_final_message = true: only with {beside}add_generation_prompt = false "
+                    "(the last message is continued, not answered)"
+                )
+            variables = template_variables(chat_template_kwargs, f"{beside}chat_template_kwargs")
             try:
                 text = self.tokenizer.apply_chat_template(
                     prompt,

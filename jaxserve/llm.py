@@ -263,11 +263,6 @@ class LLM:
         to go on with (``continue_final_message``, with add_generation_prompt False: an
         assistant prefill such as "Sure, the JSON: {"); ``chat_template_kwargs`` sets more
         of the template's variables (Qwen3's ``{"enable_thinking": False}``)."""
-        if continue_final_message and add_generation_prompt:
-            raise RequestError(
-                "continue_final_message = True: only with add_generation_prompt = False (the last message is "
-                "continued, not answered)"
-            )
         conversations = self._as_list(messages, "messages")
         for i, c in enumerate(conversations):
             if not (isinstance(c, list) and c and all(isinstance(m, dict) for m in c)):

@@ -367,6 +367,6 @@ def test_chat_takes_vllms_add_generation_prompt_and_continue_final_message(llm):
         assert out.prompt_token_ids == encode(conv, **rendered), given
     assert len({tuple(llm.chat(conv, GREEDY, **g)[0].prompt_token_ids) for g, _ in cases}) == 3
     assert llm.chat(conv, GREEDY, add_generation_prompt=False, continue_final_message=True)[0].prompt.endswith("{")
-    with pytest.raises(RequestError, match="continue_final_message = True: only with add_generation_prompt = False"):
+    with pytest.raises(RequestError, match="continue_final_message = true: only with add_generation_prompt = false"):
         llm.chat(conv, GREEDY, continue_final_message=True)
     assert llm.stats()["kv_pages_held"] == 0

@@ -108,16 +108,8 @@ class RequestPreparer:
         (add_generation_prompt = false); or the last message left open for the model to go
         on with (continue_final_message: an assistant prefill, "Sure, here is the JSON: {");
         chat_template_kwargs: more of the template's variables."""
-        messages = self._messages(body.messages)
-        if body.continue_final_message and body.add_generation_prompt:
-            raise APIError(
-                400,
-                "continue_final_message = true: only with add_generation_prompt = false (the last message is "
-                "continued, not answered)",
-                param="continue_final_message",
-            )
         return self.encode(
-            messages,
+            self._messages(body.messages),
             "messages",
             truncate,
             add_generation_prompt=body.add_generation_prompt,

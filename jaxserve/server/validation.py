@@ -90,18 +90,13 @@ def chat_options(chat: pb.ChatMessages) -> dict:
     """How a chat ends and its template's variables (``EngineHandle.encode``'s options), from
     ChatMessages' fields."""
     add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    if chat.continue_final_message and add_generation_prompt:
-        raise RequestError(
-            "chat.continue_final_message = true: only with chat.add_generation_prompt = false (the last message "
-            "is continued, not answered)"
-        )
-    variables = None
+    variables = None  # both flags and its names are checked with the messages (EngineHandle.encode)
     if chat.chat_template_kwargs:
         try:
             variables = json.loads(chat.chat_template_kwargs)
         except ValueError as e:
             raise RequestError(f"chat.chat_template_kwargs: not JSON ({e})") from None
-        if not isinstance(variables, dict):  # its names are checked with the messages (EngineHandle.encode)
+        if not isinstance(variables, dict):
             raise RequestError("chat.chat_template_kwargs: a JSON object of the chat template's variables")
     return {
         "add_generation_prompt": add_generation_prompt,
