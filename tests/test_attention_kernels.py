@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -520,6 +521,23 @@ def test_cpu_kernel_token_is_bitwise_independent_of_its_batch(dtype, page_size):
     beside = run(np.concatenate([q[20:25], q[:1]]), [30, 37], np.concatenate([pages, pages]), [0, 5, 6])[5]
     np.testing.assert_array_equal(decode, chunk)
     np.testing.assert_array_equal(decode, beside)
+
+
+@needs_cpu_kernel
+def test_without_amx_a_bfloat16_cache_keeps_its_bits_and_values():
+    """Where this process reads a bfloat16 cache with AMX, a child with AMX off
+    (JAXSERVE_CPU_AMX=0) reruns this file's bfloat16 CPU-kernel tests on the vector path
+    that CPUs without AMX take: there a decode's values are widened where they lie
+    (GroupValuesFromRows), a prefill chunk's through a buffer, and the token's bits must
+    still agree."""
+    if not cpu.uses_amx():
+        pytest.skip("no AMX here: this process's bfloat16 tests ran the vector path")
+    flags = ("-q", "-p", "no:xdist", "-p", "no:cacheprovider", __file__, "-k", "cpu_kernel and bfloat16")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXSERVE_CPU_AMX": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *flags], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
 @needs_cpu_kernel

@@ -531,6 +531,33 @@ JAXSERVE_FMA inline void GroupValues(Lanes* acc, const float* const* p, const La
   }
 }
 
+#ifdef __AVX512F__
+// GroupValues' AVX-512 loop for a bfloat16 cache, its 16 value rows read where they lie
+// (rows[j]: key j's head_dim values; a row of zeros where the key is not the tile's) and
+// widened in registers: the same products in the same order, so the same bits. For a
+// tile of one block of rows (a decode's), whose values each serve it once: widening them
+// into a float32 buffer first stored and loaded every value once more.
+template <int C, int R, typename Pump>
+JAXSERVE_FMA inline void GroupValuesFromRows(Lanes* acc, const float* const* p, const uint16_t* const* rows, Pump&& pump) {
+  Lanes a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = acc[r * C + c];
+  for (int j = 0; j < kLanes; ++j) {
+    for (int c = 0; c < C; ++c) {
+      const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + c * kLanes)));
+      Lanes v;
+      const __m512 wide = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));  // exact, as LoadLanes
+      std::memcpy(&v, &wide, sizeof v);
+      asm("" : "+v"(v));  // once in a register for the R rows (GroupValues says why)
+      for (int r = 0; r < R; ++r) a[r][c] = p[r][j] * v + a[r][c];
+    }
+    if (j % 4 == 3) pump();
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r * C + c] = a[r][c];
+}
+#endif
+
 }  // namespace
 
 #endif  // JAXSERVE_RAGGED_PAGED_ATTENTION_CPU_ROW_MATH_H_

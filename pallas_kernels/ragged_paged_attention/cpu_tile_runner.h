@@ -124,6 +124,30 @@ class TileRunner {
     static const float kZeros[kLanes] = {};
     for (int32_t g = 0; g < groups; ++g) {
       const int32_t first = base + g * kLanes;
+#ifdef __AVX512F__
+      if constexpr (std::is_same_v<T, uint16_t> && C > 0) {
+        if (blocks == 1 && !transposed) {  // one block of rows (a decode's): values read in place
+          const uint16_t* vrows[kLanes];
+          PlaneRows(pb, t.seq, pb.num_kv_heads + t.kv_head, first, kLanes, jlo, jhi, vrows);
+          for (const uint16_t*& row : vrows) row = row ? row : kZeroRow;
+          Defer(t.seq, pb.num_kv_heads + t.kv_head, first + kAhead * kLanes, jlo, jhi);  // as LoadGroup
+          const int64_t share = (pending_lines_ + 3) / 4;
+          const float* p[kValueRows];
+          bool any = false;
+          for (int k = 0; k < kValueRows; ++k) {
+            const bool sees = k < rows && first <= pos_[k] && first + kLanes > lo_[k];
+            p[k] = sees ? &scores_[k * width + g * kLanes] : kZeros;
+            any |= sees;
+          }
+          if (any) {
+            GroupValuesFromRows<C, kValueRows>(acc_.data(), p, vrows, [&] { Pump(share); });
+          } else {
+            Pump(4 * share);
+          }
+          continue;
+        }
+      }
+#endif
       LoadGroup(t.seq, pb.num_kv_heads + t.kv_head, first, jlo, jhi, /*defer=*/!transposed);
       const int64_t share = (pending_lines_ + 4 * blocks - 1) / (4 * blocks);
       for (int r0 = 0; r0 < rows; r0 += kValueRows) {
@@ -149,6 +173,7 @@ class TileRunner {
 
  private:
   static constexpr int kAhead = 4;  // groups fetched ahead of the one being read
+  static constexpr uint16_t kZeroRow[kLanes * (C > 0 ? C : 1)] = {};  // a bfloat16 row of zeros
 
   // Into the second-level cache (locality 2: PREFETCHT1), not the first: the first level
   // tracks few misses at once (a group ahead is 32-64 lines), so each prefetch beyond them
