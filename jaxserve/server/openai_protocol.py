@@ -1,9 +1,10 @@
 """The OpenAI API's wire types: its request bodies as pydantic models, and its error.
 
 Bodies ignore unknown fields, as vLLM's server does (each name logged once; OpenAI's own
-API refuses them), take null for an optional field as its default, and are strict about types (``true`` is not token id 1). Every refusal is an
-``APIError``: a status, OpenAI's error type and the field at fault (``param``), which
-``openai_api.py`` answers with OpenAI's error body.
+API refuses them), take null for an optional field as its default, and are strict about
+types (``true`` is not token id 1). Every refusal is an ``APIError``: a status, OpenAI's
+error type and the field at fault (``param``), which ``openai_api.py`` answers with
+OpenAI's error body.
 """
 
 from __future__ import annotations
