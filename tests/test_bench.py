@@ -254,6 +254,21 @@ def test_a_workload_longer_than_the_context_is_one_error(tiny_model_dir, capsys)
         )
 
 
+def test_a_server_that_reports_no_cached_tokens_has_no_hit_rate(capsys):
+    """vLLM's OpenAI server reports cached prompt tokens only with
+    --enable-prompt-tokens-details: without them the hit rate is unknown, not 0% (which
+    read as a cache that found nothing); over the requests that did report, their rate."""
+    from jaxserve.bench.serve import Result, print_report, summarize
+
+    silent = [Result("main", prompt_tokens=100, output_tokens=4, ttft=0.1, e2e=0.2) for _ in range(3)]
+    report = {"workload": "random", "server": "http://x", "all": summarize(silent, 1.0)}
+    assert report["all"]["prefix_cache_hit_rate"] is None
+    print_report(report)
+    assert "prefix-cache hit rate n/a (the server reports no cached tokens)" in capsys.readouterr().out
+    told = [*silent, Result("main", prompt_tokens=100, cached_tokens=25, output_tokens=4, ttft=0.1, e2e=0.2)]
+    assert summarize(told, 1.0)["prefix_cache_hit_rate"] == 0.25
+
+
 def test_bench_serve_with_no_server_there_is_one_error(capsys):
     """Nothing listening: one line naming --server (gRPC was a report of every request
     failing, every figure nan; HTTP already said it)."""

@@ -106,9 +106,11 @@ def main(args: argparse.Namespace) -> int:
             reports[base]["all"]["total_throughput"]
             and rep["all"]["total_throughput"] / reports[base]["all"]["total_throughput"]
         )
+        rate = rep["all"]["prefix_cache_hit_rate"]
         print(
             f"{name:14s} {itl['p50'] * 1e3:11.1f} {itl['p99'] * 1e3:11.1f} {itl['p99'] / itl['p50']:8.2f} "
-            f"{s['ttft_s']['p50'] * 1e3:12.1f} {rep['all']['total_throughput']:12.1f} {rep['all']['prefix_cache_hit_rate']:9.1%} {ratio:9.2f}x"
+            f"{s['ttft_s']['p50'] * 1e3:12.1f} {rep['all']['total_throughput']:12.1f} "
+            f"{'n/a' if rate is None else format(rate, '.1%'):>9s} {ratio:9.2f}x"
         )
     footer(args)
     if args.plot:

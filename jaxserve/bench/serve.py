@@ -49,7 +49,7 @@ class Result:
     tag: str  # "main", or "steady" / "long" in the interference workload
     prompt_tokens: int = 0
     output_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int | None = None  # None: the server did not say (vLLM's without --enable-prompt-tokens-details)
     ttft: float = 0.0
     itls: list[float] = dataclasses.field(default_factory=list)
     e2e: float = 0.0
@@ -162,7 +162,7 @@ class OpenAITarget:
                     if chunk.get("usage"):
                         res.output_tokens = chunk["usage"].get("completion_tokens", 0)
                         details = chunk["usage"].get("prompt_tokens_details") or {}
-                        res.cached_tokens = details.get("cached_tokens") or 0
+                        res.cached_tokens = details.get("cached_tokens")
                     if any(c.get("text") for c in chunk.get("choices", ())):
                         yield
         except self._errors as e:
@@ -205,6 +205,17 @@ def _pct(values: list[float]) -> dict[str, float]:
     }
 
 
+def _hit_rate(rs: list[Result]) -> float | None:
+    """Cached prompt tokens / prompt tokens over the requests whose server said how many
+    were cached; None where none said (a rate of 0 would claim a cache that found nothing)."""
+    told = [r for r in rs if r.cached_tokens is not None]
+    return sum(r.cached_tokens for r in told) / max(sum(r.prompt_tokens for r in told), 1) if told else None
+
+
+def hit_rate_text(rate: float | None) -> str:
+    return "n/a (the server reports no cached tokens)" if rate is None else f"{rate:.1%}"
+
+
 def summarize(results: list[Result], seconds: float, tag: str | None = None) -> dict:
     rs = [r for r in results if r.error is None and (tag is None or r.tag == tag)]
     out_tokens = sum(r.output_tokens for r in rs)
@@ -217,7 +228,7 @@ def summarize(results: list[Result], seconds: float, tag: str | None = None) -> 
         "output_tokens": out_tokens,
         "output_throughput": out_tokens / seconds,
         "total_throughput": (out_tokens + prompt_tokens) / seconds,
-        "prefix_cache_hit_rate": sum(r.cached_tokens for r in rs) / max(prompt_tokens, 1),
+        "prefix_cache_hit_rate": _hit_rate(rs),
         "ttft_s": _pct([r.ttft for r in rs if r.output_tokens]),
         "itl_s": _pct([x for r in rs for x in r.itls]),
         "tpot_s": _pct([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in rs if r.output_tokens > 1]),
@@ -331,7 +342,7 @@ def print_report(report: dict) -> None:
         print(
             f"[{name}] {s['requests']} requests ({s['errors']} errors) in {s['seconds']:.1f}s: "
             f"output {s['output_throughput']:.1f} tok/s, total {s['total_throughput']:.1f} tok/s, "
-            f"prefix-cache hit rate {s['prefix_cache_hit_rate']:.1%}"
+            f"prefix-cache hit rate {hit_rate_text(s['prefix_cache_hit_rate'])}"
         )
         print(f"  {'metric':8s} {'p50 ms':>9s} {'p90 ms':>9s} {'p99 ms':>9s} {'mean ms':>9s}")
         for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
