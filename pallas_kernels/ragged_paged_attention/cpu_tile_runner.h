@@ -47,6 +47,12 @@ class TileRunner {
   static constexpr int kScoreRows = 2;
 #endif
   static constexpr int kTransposeRows = 12;
+  // A bfloat16 cache's values read in place by a one-block tile (Run, step 3): AVX-512's.
+#ifdef __AVX512F__
+  static constexpr bool kValuesInPlace = std::is_same_v<T, uint16_t> && C > 0;
+#else
+  static constexpr bool kValuesInPlace = false;
+#endif
 
   void Run(const Tile& t) {
     const Problem& pb = pb_;
@@ -122,33 +128,21 @@ class TileRunner {
     const int64_t blocks = padded_rows / kValueRows;
     acc_.assign(static_cast<size_t>(padded_rows) * chunks, Lanes{});
     static const float kZeros[kLanes] = {};
+    const int64_t v_plane = pb.num_kv_heads + t.kv_head;
+    // A tile of one block of rows (a decode's) reads a bfloat16 cache's values where they
+    // lie (GroupValuesFromRows): each serves the block once, and widening it into group_
+    // first only stored and loaded it once more.
+    const bool in_place = kValuesInPlace && blocks == 1 && !transposed;
     for (int32_t g = 0; g < groups; ++g) {
       const int32_t first = base + g * kLanes;
-#ifdef __AVX512F__
-      if constexpr (std::is_same_v<T, uint16_t> && C > 0) {
-        if (blocks == 1 && !transposed) {  // one block of rows (a decode's): values read in place
-          const uint16_t* vrows[kLanes];
-          PlaneRows(pb, t.seq, pb.num_kv_heads + t.kv_head, first, kLanes, jlo, jhi, vrows);
-          for (const uint16_t*& row : vrows) row = row ? row : kZeroRow;
-          Defer(t.seq, pb.num_kv_heads + t.kv_head, first + kAhead * kLanes, jlo, jhi);  // as LoadGroup
-          const int64_t share = (pending_lines_ + 3) / 4;
-          const float* p[kValueRows];
-          bool any = false;
-          for (int k = 0; k < kValueRows; ++k) {
-            const bool sees = k < rows && first <= pos_[k] && first + kLanes > lo_[k];
-            p[k] = sees ? &scores_[k * width + g * kLanes] : kZeros;
-            any |= sees;
-          }
-          if (any) {
-            GroupValuesFromRows<C, kValueRows>(acc_.data(), p, vrows, [&] { Pump(share); });
-          } else {
-            Pump(4 * share);
-          }
-          continue;
-        }
+      const uint16_t* vrows[kLanes];
+      if (in_place) {
+        PlaneRows(pb, t.seq, v_plane, first, kLanes, jlo, jhi, vrows);
+        for (const uint16_t*& row : vrows) row = row ? row : kZeroRow;
+        Defer(t.seq, v_plane, first + kAhead * kLanes, jlo, jhi);  // LoadGroup's prefetch, held back as there
+      } else {
+        LoadGroup(t.seq, v_plane, first, jlo, jhi, /*defer=*/!transposed);
       }
-#endif
-      LoadGroup(t.seq, pb.num_kv_heads + t.kv_head, first, jlo, jhi, /*defer=*/!transposed);
       const int64_t share = (pending_lines_ + 4 * blocks - 1) / (4 * blocks);
       for (int r0 = 0; r0 < rows; r0 += kValueRows) {
         const float* p[kValueRows];  // each row's 16 probabilities (zeros: none in this group)
@@ -159,11 +153,19 @@ class TileRunner {
           p[k] = sees ? &scores_[r * width + g * kLanes] : kZeros;
           any |= sees;
         }
-        if (any) {
-          GroupValues<C, kValueRows>(&acc_[r0 * chunks], p, group_.data(), chunks, [&] { Pump(share); });
-        } else {
+        if (!any) {
           Pump(4 * share);
+          continue;
         }
+#ifdef __AVX512F__
+        if constexpr (kValuesInPlace) {
+          if (in_place) {
+            GroupValuesFromRows<C, kValueRows>(&acc_[r0 * chunks], p, vrows, [&] { Pump(share); });
+            continue;
+          }
+        }
+#endif
+        GroupValues<C, kValueRows>(&acc_[r0 * chunks], p, group_.data(), chunks, [&] { Pump(share); });
       }
     }
     for (int r = 0; r < rows; ++r) {
