@@ -220,20 +220,7 @@ class RequestPreparer:
         renames = {"max_tokens": "max_output_tokens"}
         fmt = body.text.format if body.text is not None else None
         if fmt is not None and fmt.type != "text":
-            if fmt.type not in ("json_object", "json_schema"):
-                raise APIError(
-                    400,
-                    f"text.format.type = {fmt.type!r}: must be one of text, json_object, json_schema",
-                    param="text.format.type",
-                )
-            if fmt.type == "json_object":
-                kwargs["json_object"] = True
-            elif isinstance(fmt.schema_, dict | bool):
-                kwargs["json_schema"] = json.dumps(fmt.schema_)
-            else:
-                raise APIError(
-                    400, "text.format.schema: a JSON schema (an object) is required", param="text.format.schema"
-                )
+            kwargs.update(_format_constraint(fmt.type, fmt.schema_, "text.format", "text.format.schema"))
             renames.update({"json_object": "text.format", "json_schema": "text.format.schema"})
         if body.max_output_tokens is not None:
             kwargs["max_tokens"] = body.max_output_tokens
@@ -286,23 +273,13 @@ def structured_constraint(body: SamplingFields) -> tuple[str, dict]:
     found = []
     rf = body.response_format
     if rf is not None and rf.type != "text":
-        if rf.type == "json_object":
-            found.append(("response_format", {"json_object": True}))
-        elif rf.type == "json_schema":
-            spec = rf.json_schema
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict | bool):
-                raise APIError(
-                    400,
-                    "response_format.json_schema.schema: a JSON schema (an object) is required",
-                    param="response_format.json_schema.schema",
-                )
-            found.append(("response_format", {"json_schema": json.dumps(spec["schema"])}))
-        else:
-            raise APIError(
-                400,
-                f"response_format.type = {rf.type!r}: must be one of text, json_object, json_schema",
-                param="response_format.type",
+        schema = rf.json_schema.get("schema") if isinstance(rf.json_schema, dict) else None
+        found.append(
+            (
+                "response_format",
+                _format_constraint(rf.type, schema, "response_format", "response_format.json_schema.schema"),
             )
+        )
     so = body.structured_outputs if isinstance(body.structured_outputs, dict) else {}
     if body.structured_outputs is not None and not isinstance(body.structured_outputs, dict):
         raise APIError(400, "structured_outputs: must be an object", param="structured_outputs")
@@ -332,6 +309,21 @@ def structured_constraint(body: SamplingFields) -> tuple[str, dict]:
             param=found[1][0],
         )
     return found[0] if found else ("", {})
+
+
+def _format_constraint(kind: str, schema: Any, field: str, schema_field: str) -> dict[str, Any]:
+    """The constraint of an OpenAI output format other than text (chat's ``response_format``,
+    the Responses API's ``text.format``): ``kind`` json_object or json_schema, ``schema``
+    the latter's; errors name ``field``.type and ``schema_field``."""
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise APIError(
+            400, f"{field}.type = {kind!r}: must be one of text, json_object, json_schema", param=f"{field}.type"
+        )
+    if not isinstance(schema, dict | bool):
+        raise APIError(400, f"{schema_field}: a JSON schema (an object) is required", param=schema_field)
+    return {"json_schema": json.dumps(schema)}
 
 
 def _core_kwargs(body: SamplingCore) -> dict[str, Any]:
