@@ -45,6 +45,7 @@ class ResponseBuilder:
         self.created = created
         self.model = model
         self.sequence = 0
+        self.where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}  # the text's place
 
     def response(self, text: str | None = None, final: Delta | None = None) -> dict:
         """The response object: in progress (no ``final`` delta yet, no output), or finished
@@ -96,34 +97,29 @@ class ResponseBuilder:
     def opening(self) -> list[str]:
         """The events before the first text: the response created and in progress, its
         message and the message's text part added."""
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         return [
             self.event("response.created", response=self.response()),
             self.event("response.in_progress", response=self.response()),
             self.event("response.output_item.added", output_index=0, item=self.message("in_progress", None)),
-            self.event("response.content_part.added", **where, part=self.part("")),
+            self.event("response.content_part.added", **self.where, part=self.part("")),
         ]
 
     def delta(self, text: str) -> str:
-        return self.event(
-            "response.output_text.delta", item_id=self.message_id, output_index=0, content_index=0, delta=text,
-            logprobs=[],
-        )  # fmt: skip
+        return self.event("response.output_text.delta", **self.where, delta=text, logprobs=[])
 
     def closing(self, text: str, final: Delta) -> list[str]:
         """The events after the last text: the text, its part and the message done, then
         the response: always as response.completed, its status "incomplete" where the text
         was cut at max_output_tokens (as vLLM sends it; the openai client's stream helper
         waits for that event, and OpenAI's own response.incomplete left it without one)."""
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         done = self.response(text, final)
         return [
-            self.event("response.output_text.done", **where, text=text, logprobs=[]),
-            self.event("response.content_part.done", **where, part=self.part(text)),
+            self.event("response.output_text.done", **self.where, text=text, logprobs=[]),
+            self.event("response.content_part.done", **self.where, part=self.part(text)),
             self.event("response.output_item.done", output_index=0, item=done["output"][0]),
             self.event("response.completed", response=done),
         ]
 
-    def error(self, message: str, code: str | None = None) -> str:
+    def error(self, message: str) -> str:
         """An error after the stream began (its status line has gone out)."""
-        return self.event("error", code=code, message=message, param=None)
+        return self.event("error", code=None, message=message, param=None)
