@@ -10,8 +10,10 @@
 #   --no-amx  both engines as on a CPU without AMX: JAXSERVE_CPU_AMX=0 and
 #             ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 for jaxserve, vllm_compare.py --no-amx
 #   --serve   also 16 streams (64 x 200 / 64) against vLLM's OpenAI server and jaxserve's
-#             gRPC and HTTP APIs, one client (`jaxserve bench serve`), then 16 streams of
-#             prompts sharing 4 system prompts (both prefix caches on); not with --no-amx
+#             gRPC and HTTP APIs, one client (`jaxserve bench serve`), the same servers'
+#             16 steady streams while a 1024-token prompt arrives every 2 s (their ITL p99
+#             against their p50 is #18's bound), then 16 streams of prompts sharing 4
+#             system prompts (both prefix caches on); not with --no-amx
 #             (vLLM's server runs its engine in another process, which the patch of
 #             --no-amx does not reach)
 # Each round: offline 32 x 200 / 64 in bfloat16 and float32 (prefix caching off in vLLM, no
@@ -46,6 +48,17 @@ fi
 ours() { env "${ours_env[@]}" "$J" "$@" 2>&1 | tr '\r' '\n'; }
 vllm() { (cd /tmp && "$VLLM/bin/python" "$OLDPWD/scripts/vllm_compare.py" "$@" "${vllm_flag[@]}" 2>&1) | grep '^vllm'; }
 set_for() { echo "--set max_num_batched_tokens=512 --set weight_dtype=$1 --set kv_cache_dtype=$1"; }
+# A `bench serve` run's summary on one line: its [all] figures, or with --steady those of
+# its steady streams alone (the long-prompt workload's).
+summary() {
+  if [ "${1:-}" = --steady ]; then
+    tr '\r' '\n' | sed -n '/^\[steady\]/,/^\[long\]/{/^\[long\]/!p}' | grep -E '^\[steady\]|^  (ttft|itl)|rror' | xargs
+  else
+    tr '\r' '\n' | grep -E '^\[all\]|^  (ttft|itl)|rror' | xargs
+  fi
+}
+long=(bench serve --workload long-prompt-interference --steady-streams 16 --steady-output-len 128 --long-prompt-len 1024
+  --interval 2 --num-requests 24 --input-len 20:40)
 # Before a server starts, for both engines alike: the engine processes before it gone, then
 # 30 s more. Started 5 s after vLLM's server stopped (as this script did), jaxserve's first
 # 16-stream run had an ITL p99 of 2.3 / 3.0 / 3.2x p50 (3 runs); 30 s after, 2.3 / 2.35 /
@@ -88,14 +101,20 @@ for r in $(seq 1 "$rounds"); do
     (cd /tmp && "$VLLM/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype bfloat16 \
       "${vllm_cache[@]}" --gpu-memory-utilization 0.5 --port 8011 >/tmp/vs_vllm_server.log 2>&1) &
     for _ in $(seq 600); do curl -sf http://127.0.0.1:8011/v1/models >/dev/null && break; sleep 1; done
-    echo "round $r $label, vLLM OpenAI HTTP: $("$J" "${streams[@]}" --server http://127.0.0.1:8011 2>&1 | tr '\r' '\n' | grep -E '^\[all\]|^  (ttft|itl)|rror' | xargs)"
+    echo "round $r $label, vLLM OpenAI HTTP: $("$J" "${streams[@]}" --server http://127.0.0.1:8011 2>&1 | summary)"
+    if [ "$kind" = random ]; then
+      echo "round $r 16 streams, long prompts, vLLM OpenAI HTTP: $("$J" "${long[@]}" --server http://127.0.0.1:8011 2>&1 | summary --steady)"
+    fi
     pkill -f "vllm.entrypoints.openai.api_server" || true
     settle "VLLM::|vllm.entrypoints.openai.api_server"
     "$J" run --config configs/smollm2-135m.yaml "${ours_cache[@]}" --quiet >/tmp/vs_jaxserve_server.log 2>&1 &
     for _ in $(seq 600); do grep -q "jaxserve: serving" /tmp/vs_jaxserve_server.log && break; sleep 1; done
     for server in "${apis[@]}"; do
-      echo "round $r $label, jaxserve $server: $("$J" "${streams[@]}" --server "$server" 2>&1 | tr '\r' '\n' | grep -E '^\[all\]|^  (ttft|itl)|rror' | xargs)"
+      echo "round $r $label, jaxserve $server: $("$J" "${streams[@]}" --server "$server" 2>&1 | summary)"
     done
+    if [ "$kind" = random ]; then
+      echo "round $r 16 streams, long prompts, jaxserve ${apis[0]}: $("$J" "${long[@]}" --server "${apis[0]}" 2>&1 | summary --steady)"
+    fi
     pkill -f "jaxserve run --config configs/smollm2-135m.yaml" || true
     settle "jaxserve run --config configs/smollm2-135m.yaml"
   done

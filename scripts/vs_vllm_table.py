@@ -37,14 +37,17 @@ def _latency(rows: dict, line: str) -> None:
 
 
 def _streams(rows: dict, line: str) -> None:
-    m = re.search(rf"(16 streams(?:, shared prefix)?), (.+?): .*output {_NUM} tok/s.* itl {_NUM} {_NUM} {_NUM}", line)
+    m = re.search(
+        rf"(16 streams(?:, shared prefix|, long prompts)?), (.+?): .*output {_NUM} tok/s.* itl {_NUM} {_NUM} {_NUM}",
+        line,
+    )
     if not m:
         return
     figures = {"tok/s": float(m[3]), "p50": float(m[4]), "p99": float(m[6])}
     if ttft := re.search(rf" ttft {_NUM} {_NUM} {_NUM}", line):  # logs before 2026-12-07 lack it
         figures.update(ttft_p50=float(ttft[1]), ttft_p99=float(ttft[3]))
     if m[2].startswith("vLLM"):
-        for api in ("gRPC", "HTTP") if m[1] == "16 streams" else ("gRPC",):  # vs_vllm.sh: shared prefix on gRPC alone
+        for api in ("gRPC", "HTTP") if m[1] == "16 streams" else ("gRPC",):  # vs_vllm.sh: the others on gRPC alone
             rows.setdefault(f"{m[1]}, jaxserve {api}", {})["vllm"] = figures
     else:
         api = "HTTP" if "http://" in m[2] else "gRPC"
@@ -86,6 +89,8 @@ def _cells(name: str, row: dict) -> tuple[str, str, str]:
         ratio = vllm and ours and f"{ours['tok/s'] / vllm['tok/s']:.2f}x; p99 {ours['p99'] / ours['p50']:.1f}x p50"
         if ratio and "ttft_p99" in ours and "ttft_p99" in vllm:
             ratio += f"; TTFT p99 {ours['ttft_p99'] / vllm['ttft_p99']:.2f}x vLLM's"
+        if ratio and name.startswith("16 streams, long prompts"):  # #18's bound: the steady streams' p99 / p50
+            ratio += f"; vLLM's p99 {vllm['p99'] / vllm['p50']:.1f}x p50"
     return shown[0] or "-", shown[1] or "-", ratio or "-"
 
 

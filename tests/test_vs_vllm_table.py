@@ -29,6 +29,11 @@ round 1 16 streams, jaxserve 127.0.0.1:50051: [all] 64 requests (0 errors) in 14
 1145.0 tok/s, prefix-cache hit rate 0.0% itl 33.2 73.2 81.7 46.9
 round 1 16 streams, jaxserve http://127.0.0.1:8000: [all] 64 requests (0 errors) in 16.4s: output 249.2 tok/s, total \
 1028.0 tok/s, prefix-cache hit rate 0.0% itl 39.8 84.6 92.2 53.0
+round 1 16 streams, long prompts, vLLM OpenAI HTTP: [steady] 16 requests (0 errors) in 6.8s: output 302.1 tok/s, \
+total 374.4 tok/s, prefix-cache hit rate n/a (the server reports no cached tokens) ttft 396.1 397.4 397.6 376.9 \
+itl 36.1 40.6 51.0 36.5
+round 1 16 streams, long prompts, jaxserve 127.0.0.1:50051: [steady] 16 requests (0 errors) in 4.1s: output 502.0 \
+tok/s, total 622.1 tok/s, prefix-cache hit rate 0.0% ttft 271.5 395.0 417.8 265.9 itl 22.8 29.6 64.9 24.4
 round 1 16 streams, shared prefix, vLLM OpenAI HTTP: [all] 64 requests (0 errors) in 14.8s: output 276.5 tok/s, total \
 2913.6 tok/s, prefix-cache hit rate 0.0% ttft 499.3 957.1 964.1 514.7 itl 48.1 56.4 98.9 50.8
 round 1 16 streams, shared prefix, jaxserve 127.0.0.1:50051: [all] 64 requests (0 errors) in 10.7s: output 381.8 \
@@ -67,6 +72,13 @@ def test_a_round_becomes_rows_with_vllms_best_against_ours():
         "1.38x; p99 2.3x p50; TTFT p99 1.54x vLLM's",
     ]
     assert "16 streams, shared prefix, jaxserve HTTP" not in rows  # measured over gRPC alone
+    # (the long-prompt rows from a 2-core Zen 4, 2026-12-07: the steady streams' figures)
+    assert rows["16 streams, long prompts, jaxserve gRPC"] == [
+        "302.1 tok/s; TTFT p50 / p99 396 / 398 ms; ITL p50 / p99 36.1 / 51.0 ms",
+        "502.0 tok/s; TTFT p50 / p99 272 / 418 ms; ITL p50 / p99 22.8 / 64.9 ms",
+        "1.66x; p99 2.8x p50; TTFT p99 1.05x vLLM's; vLLM's p99 1.4x p50",
+    ]
+    assert "16 streams, long prompts, jaxserve HTTP" not in rows
 
 
 def test_a_round_without_vllms_side_says_so_instead_of_a_ratio():
