@@ -42,6 +42,8 @@ def addr(tiny_model_dir):
                 "0.05",
                 "--input-len",
                 "5:10",
+                "--concurrency",
+                "2",
             ],
         ),
     ],
@@ -82,6 +84,10 @@ def test_bench_workloads_report_metrics(addr, tmp_path, capsys, workload, extra)
         assert s["prefix_cache_hit_rate"] > 0.3
     if workload == "long-prompt-interference":
         assert report["steady"]["requests"] == 2 and report["long"]["requests"] >= 1
+        # Its long prompts arrive while every steady stream runs: --concurrency (here as
+        # many as the streams) does not hold them back until a stream ends.
+        steady_end = min(r["sent_s"] + r["e2e_s"] for r in each if r["tag"] == "steady")
+        assert min(r["sent_s"] for r in each if r["tag"] == "long") < steady_end
 
 
 def test_bench_serve_speaks_openai_http_with_the_same_counts_as_grpc(tiny_model_dir, tmp_path, capsys):

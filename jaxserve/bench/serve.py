@@ -8,8 +8,9 @@ text, and the output tokens are the final usage chunk's count.
 Workloads (token-id prompts, EOS ignored so output lengths are exact):
   random                    prompt / output lengths drawn uniformly from ranges
   shared-prefix             G system prompts x Q questions each (SGLang's generated-shared-prefix)
-  long-prompt-interference  steady decode streams plus a long prompt every --interval seconds;
-                            ITL is reported for the steady streams alone
+  long-prompt-interference  steady decode streams plus a long prompt every --interval seconds
+                            (its load: not bounded by --concurrency, no sweep); ITL is
+                            reported for the steady streams alone
   multi-turn                conversations that resend their history each turn
 Load: a fixed --concurrency, or Poisson arrivals at --request-rate (requests/s); a list of
 either (``--concurrency 1,4,16``) sweeps it, one run per value (each with its own prompts,
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -253,8 +255,8 @@ async def run_bench(args) -> dict:
         bar = tqdm(total=args.num_requests, desc=f"bench {args.workload}", disable=args.quiet)
         sem = asyncio.Semaphore(args.concurrency)
 
-        async def submit(ids, max_tokens, tag="main"):
-            async with sem:
+        async def submit(ids, max_tokens, tag="main", bounded=True):
+            async with sem if bounded else contextlib.nullcontext():
                 res = await _one(server, ids, max_tokens, tag, args.timeout)
             results.append(res)
             bar.update()
@@ -298,14 +300,19 @@ async def run_bench(args) -> dict:
 
             await arrivals([conversation for _ in range(convs)])
         else:  # long-prompt-interference
+            # Its load is the steady streams and a long prompt each interval, not --concurrency:
+            # bounded by it (16 by default, as many as the steady streams), each long prompt
+            # waited for a steady stream to end, and the streams met none while all ran.
             steady = [
-                asyncio.create_task(submit(tokens(rng.randint(in_lo, in_hi)), args.steady_output_len, "steady"))
+                asyncio.create_task(
+                    submit(tokens(rng.randint(in_lo, in_hi)), args.steady_output_len, "steady", bounded=False)
+                )
                 for _ in range(args.steady_streams)
             ]
             longs = []
             await asyncio.sleep(args.interval)
             while not all(t.done() for t in steady) and len(longs) < args.num_requests - args.steady_streams:
-                longs.append(asyncio.create_task(submit(tokens(args.long_prompt_len), 4, "long")))
+                longs.append(asyncio.create_task(submit(tokens(args.long_prompt_len), 4, "long", bounded=False)))
                 await asyncio.sleep(args.interval)
             await asyncio.gather(*steady, *longs)
         seconds = time.perf_counter() - t0
@@ -406,6 +413,11 @@ def sweep_axis(args) -> tuple[str, list]:
     """(the swept option, its values); a single run is a sweep of one."""
     if len(args.concurrency) > 1 and len(args.request_rate) > 1:
         raise ConfigError("sweep --concurrency or --request-rate, not both")
+    if args.workload == "long-prompt-interference" and (len(args.concurrency) > 1 or len(args.request_rate) > 1):
+        raise ConfigError(
+            "--workload long-prompt-interference: its load is --steady-streams and --interval; "
+            "sweep --concurrency or --request-rate with random, shared-prefix or multi-turn"
+        )
     if len(args.request_rate) > 1:
         return "request rate (requests / s)", args.request_rate
     return "concurrency", args.concurrency
