@@ -233,8 +233,9 @@ def assemble(cfg: EngineConfig, progress: bool = True, warmup: bool = False) -> 
 
 
 def make_scheduler(cfg: EngineConfig, plan: EnginePlan, kv: KVManager) -> Scheduler:
-    """The scheduler of the plan's budgets (max_mixed_batched_tokens as resolved: auto's
-    value, the bucket the runner compiled for it)."""
+    """The scheduler of the plan's budgets (max_mixed_batched_tokens and
+    max_long_mixed_batched_tokens as resolved: auto's values, the buckets the runner
+    compiled for them)."""
     return Scheduler(
         kv,
         cfg.max_num_batched_tokens,
@@ -244,4 +245,5 @@ def make_scheduler(cfg: EngineConfig, plan: EnginePlan, kv: KVManager) -> Schedu
         lpm_aging_steps=cfg.lpm_aging_steps,
         min_token_bucket=plan.runner.min_token_bucket,
         max_mixed_batched_tokens=plan.runner.max_mixed_batched_tokens,
+        max_long_mixed_batched_tokens=plan.runner.max_long_mixed_batched_tokens,
     )

@@ -90,6 +90,10 @@ def above(n: int | float, what: str = "a number") -> Rule:
     return Rule(lambda v: v > n, f"{what} > {n}")
 
 
+# A step budget: a number of tokens, or auto (resolved by the platform, jaxserve.plan).
+TOKENS_OR_AUTO = Rule(lambda v: v == "auto" if isinstance(v, str) else v >= 1, "an integer >= 1 or auto")
+
+
 def option(default, doc: str, rule: Rule | None = None):
     """A config field: default, doc (one sentence or two) and the rule its values follow."""
     return dataclasses.field(default=default, metadata={"doc": doc, "rule": rule})
@@ -171,7 +175,17 @@ class EngineConfig:
         "Also a token bucket. From max_num_seqs (room for a prefill token beside a full batch of decodes) "
         "up to max_num_batched_tokens. auto: by how fast the CPU prefills (128 where the linear layers run "
         "on AMX tiles, 96 on other CPUs; start-up reports it), null on accelerators.",
-        Rule(lambda v: v == "auto" if isinstance(v, str) else v >= 1, "an integer >= 1 or auto"),
+        TOKENS_OR_AUTO,
+    )
+    max_long_mixed_batched_tokens: int | str | None = option(
+        None,
+        "Tokens per step when the step decodes and carries a chunk of a long prompt: one whose uncached "
+        "part is more than max_num_batched_tokens (even alone it takes several steps). Such a prompt makes "
+        "many steps in a row long, deeper and dearer as its attention grows, so its chunks get this smaller "
+        "step while short prompts keep max_mixed_batched_tokens (null: the same). Also a token bucket; from "
+        "max_num_seqs up to max_num_batched_tokens. auto: on a CPU the largest power of two below the "
+        "resolved max_mixed_batched_tokens (64 for 96 and 128; start-up reports it), null on accelerators.",
+        TOKENS_OR_AUTO,
     )
     max_num_seqs: int = option(32, "Sequences per step; also the largest sequence bucket.", at_least(1))
     min_token_bucket: int | None = option(
@@ -238,12 +252,13 @@ class EngineConfig:
                 f"min_token_bucket = {self.min_token_bucket}: must be at most max_num_batched_tokens "
                 f"({self.max_num_batched_tokens})"
             )
-        mixed = self.max_mixed_batched_tokens
-        if isinstance(mixed, int) and not self.max_num_seqs <= mixed <= self.max_num_batched_tokens:
-            raise ConfigError(
-                f"max_mixed_batched_tokens = {mixed}: must be from max_num_seqs ({self.max_num_seqs}) to "
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}), auto or null"
-            )
+        for name in ("max_mixed_batched_tokens", "max_long_mixed_batched_tokens"):
+            budget = getattr(self, name)
+            if isinstance(budget, int) and not self.max_num_seqs <= budget <= self.max_num_batched_tokens:
+                raise ConfigError(
+                    f"{name} = {budget}: must be from max_num_seqs ({self.max_num_seqs}) to "
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens}), auto or null"
+                )
         try:
             MeshConfig.from_option(self.mesh)
             DistributedConfig.from_option(self.distributed)

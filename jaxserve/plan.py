@@ -78,6 +78,19 @@ def mixed_budget(cfg: EngineConfig, mcfg: ModelConfig, platform: str, matmul: st
     return budget if budget < cfg.max_num_batched_tokens else None
 
 
+def long_mixed_budget(cfg: EngineConfig, platform: str, mixed: int | None) -> int | None:
+    """``max_long_mixed_batched_tokens`` resolved against the resolved mixed budget: ``auto``
+    on a CPU is the largest power of two below it (a token bucket already), if that still
+    leaves a prefill token beside max_num_seqs decodes; else, and on accelerators, null."""
+    option = cfg.max_long_mixed_batched_tokens
+    if option != "auto":
+        return option if option is None or mixed is None else min(option, mixed)
+    if platform != "cpu" or mixed is None:
+        return None
+    budget = 1 << ((mixed - 1).bit_length() - 1)
+    return budget if budget >= cfg.max_num_seqs else None
+
+
 @dataclasses.dataclass(frozen=True)
 class EnginePlan:
     """The resolved engine: what the config leaves to "derive" is decided here.
@@ -148,8 +161,10 @@ class EnginePlan:
     @property
     def budgets(self) -> str:
         """What start-up reports of the chunked-prefill budgets (max_mixed_batched_tokens may be auto's)."""
-        mixed = self.runner.max_mixed_batched_tokens
+        mixed, long = self.runner.max_mixed_batched_tokens, self.runner.max_long_mixed_batched_tokens
         beside = f", {mixed} in a step that also decodes" if mixed else ""
+        if long:
+            beside += f", {long} when that step carries a long prompt's chunk"
         return f"up to {self.runner.max_num_batched_tokens} tokens a step{beside}"
 
     @property
@@ -264,6 +279,7 @@ def resolve_plan(
         matmul = resolve_int8_matmul(cfg.matmul_backend, mcfg, weight_dtype, platform, sharded=mesh is not None)
     else:
         matmul = resolve_matmul(cfg.matmul_backend, weight_dtype, platform, sharded=mesh is not None)
+    mixed = mixed_budget(cfg, mcfg, platform, matmul, weight_dtype)
     runner = RunnerConfig(
         page_size=cfg.page_size,
         num_pages=num_pages,
@@ -276,7 +292,8 @@ def resolve_plan(
         # buckets would only add programs to compile (and load at every start). XLA:CPU's
         # dots pay per row: 2 rows there.
         min_seq_bucket=2 if platform == "cpu" and matmul != "onednn" else 8,
-        max_mixed_batched_tokens=mixed_budget(cfg, mcfg, platform, matmul, weight_dtype),
+        max_mixed_batched_tokens=mixed,
+        max_long_mixed_batched_tokens=long_mixed_budget(cfg, platform, mixed),
         attention_backend=backend,
         kv_cache_dtype=kv_dtype,
         warmup_scoring=cfg.warmup_scoring,

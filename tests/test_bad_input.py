@@ -157,6 +157,14 @@ def test_unknown_alias():
             {"max_mixed_batched_tokens": "small"},
             r"max_mixed_batched_tokens = 'small': must be an integer >= 1 or auto \(or null\)",
         ),
+        (
+            {"max_long_mixed_batched_tokens": 8},
+            r"max_long_mixed_batched_tokens = 8: must be from max_num_seqs \(32\) to max_num_batched_tokens \(256\)",
+        ),
+        (
+            {"max_long_mixed_batched_tokens": "half"},
+            r"max_long_mixed_batched_tokens = 'half': must be an integer >= 1 or auto \(or null\)",
+        ),
     ],
 )
 def test_bad_engine_options(options, message):

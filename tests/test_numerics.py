@@ -134,6 +134,39 @@ def test_the_scheduler_and_the_buckets_take_the_resolved_budget(monkeypatch):
     assert p.runner.buckets[0] == [8, 16, 32, 64, 96, 128, 256, 512]  # its step compiled, padded to itself
 
 
+@pytest.mark.parametrize(("impl", "mixed"), [("brg:avx512_core_amx", 128), ("brg:avx512_core_bf16", 96)])
+def test_long_mixed_budget_auto_is_the_power_of_two_below_the_mixed_one(monkeypatch, impl, mixed):
+    p, _ = _budget_plan(monkeypatch, impl, max_long_mixed_batched_tokens="auto")
+    assert (p.runner.max_mixed_batched_tokens, p.runner.max_long_mixed_batched_tokens) == (mixed, 64)
+    assert p.budgets == (
+        f"up to 512 tokens a step, {mixed} in a step that also decodes, 64 when that step carries a long prompt's chunk"
+    )
+    # 64 is a power of two: no bucket of its own, no program more to compile
+    assert p.runner.buckets[0] == sorted({8, 16, 32, 64, mixed, 128, 256, 512})
+    sched = make_scheduler(EngineConfig(num_pages=16, max_num_batched_tokens=512), p, KVManager(16, 16, False))
+    assert sched.max_long_mixed_batched_tokens == 64
+
+
+def test_long_mixed_budget_auto_is_null_without_room_or_on_an_accelerator_and_an_integer_is_a_bucket(monkeypatch):
+    # 64 would leave no prefill token beside 100 decodes; without a mixed budget nothing to go below
+    assert (
+        _budget_plan(monkeypatch, max_num_seqs=100, max_long_mixed_batched_tokens="auto")[
+            0
+        ].runner.max_long_mixed_batched_tokens
+        is None
+    )
+    p = _budget_plan(monkeypatch, max_num_batched_tokens=96, max_long_mixed_batched_tokens="auto")[0]
+    assert p.runner.max_long_mixed_batched_tokens is None
+    cfg = EngineConfig(
+        max_num_batched_tokens=512, max_mixed_batched_tokens="auto", max_long_mixed_batched_tokens="auto"
+    )
+    assert plan.long_mixed_budget(cfg, "tpu", None) is None
+    p = _budget_plan(monkeypatch, max_long_mixed_batched_tokens=48)[0]
+    assert p.runner.max_long_mixed_batched_tokens == 48
+    assert p.runner.buckets[0] == [8, 16, 32, 48, 64, 96, 128, 256, 512]  # its step padded to itself
+    assert _budget_plan(monkeypatch, max_long_mixed_batched_tokens=200)[0].runner.max_long_mixed_batched_tokens == 96
+
+
 def test_start_up_says_when_the_kv_pages_cut_max_model_len():
     """Four pages of 16 tokens hold one sequence of 48 (page 0 is scratch), not the 512
     asked: the context is cut, and start-up says so and why, instead of doing it silently."""

@@ -132,6 +132,55 @@ def test_a_step_that_decodes_takes_the_mixed_budget_a_lone_prompt_the_whole():
     assert sizes == [12, 12, 12, 12, 12, 9]
 
 
+def test_a_long_prompts_chunks_keep_a_step_that_decodes_within_the_long_budget():
+    """A prompt with more uncached tokens than a whole step (32) gets chunks that keep a step
+    that decodes within max_long_mixed_batched_tokens (8); a short prompt beside it still
+    fills the mixed budget (16), and so does a long prompt whose prefix is cached; with
+    nothing to decode a long prompt takes the whole step."""
+    sched = Scheduler(
+        KVManager(400, 4, prefix_caching=True),
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        max_model_len=256,
+        max_mixed_batched_tokens=16,
+        max_long_mixed_batched_tokens=8,
+    )
+
+    decodes = []
+
+    def step() -> list[tuple[str, int]]:
+        out = sched.schedule()
+        sched.update(out, [1] * out.num_rows)
+        sched.check_integrity()
+        decodes.append(out.num_decode_tokens)
+        return [(r.request_id, n) for r, n in out.scheduled]
+
+    alone = _request(9, 40, 1)
+    sched.add(alone)
+    assert step() == [("r9", 32)]  # long (40 > 32) but nothing decodes: the whole step
+    assert step() == [("r9", 8)]
+    assert alone.status.is_finished
+    streamer = _request(0, 10, 100)
+    sched.add(streamer)
+    assert step() == [("r0", 10)]
+    long = _request(1, 100, 2)
+    sched.add(long)
+    assert step() == [("r0", 1), ("r1", 7)]  # 8 in all beside the decode
+    short = _request(2, 20, 2)
+    sched.add(short)
+    assert step() == [("r0", 1), ("r1", 7), ("r2", 8)]  # the short one fills the mixed 16
+    assert step() == [("r0", 1), ("r1", 7), ("r2", 8)]
+    while not long.is_prefill_done:
+        scheduled = dict(step())
+        assert decodes[-1] + scheduled["r1"] <= 8, scheduled
+    while not long.status.is_finished:
+        step()
+    # The same 96 tokens, then 14 of its own: 14 uncached, not long.
+    cached = Request("r3", long.token_ids[:96] + [9] * 14, SamplingParams(max_tokens=2, temperature=0.0), seed=3)
+    sched.add(cached)
+    assert step() == [("r0", 1), ("r3", 14)]
+
+
 def test_preemption_when_pages_run_out():
     # 12 usable pages of 4 tokens; each request may need up to ceil((10+30)/4) = 10 pages.
     sched = Scheduler(

@@ -8,6 +8,11 @@ Every step:
      step that decodes has the smaller budget ``max_mixed_batched_tokens`` when set: its
      length is an inter-token gap of every running stream (Sarathi-Serve's token budget),
      while a step with nothing to decode (a lone prompt) still takes the whole budget.
+     A long prompt's chunk (more uncached tokens than ``max_num_batched_tokens``) keeps
+     such a step within ``max_long_mixed_batched_tokens``, smaller still: it makes many
+     such steps in a row, each dearer than the last as its attention deepens, while a
+     short prompt's first token is a chunk or two away (vLLM's long_prefill_token_threshold
+     likewise caps a long prompt's chunks).
 Pages come from the KV manager (``kv_manager.py``), the only code that touches them: as
 tokens are scheduled, and back whole when a request ends. When pages run out, it evicts
 unreferenced cached prefixes first; then the most recently admitted running request is
@@ -123,11 +128,13 @@ class Scheduler:
         lpm_aging_steps: int = 64,
         min_token_bucket: int = 1,
         max_mixed_batched_tokens: int | None = None,
+        max_long_mixed_batched_tokens: int | None = None,
     ):
         """``min_token_bucket``: the runner's smallest token bucket. A step's sequences
         (twins included) never outnumber its tokens padded to it: the shapes compiled.
         ``max_mixed_batched_tokens``: the budget of a step that decodes (None: the same);
-        at least ``max_num_seqs``, so a prefill always has room beside the decodes."""
+        at least ``max_num_seqs``, so a prefill always has room beside the decodes.
+        ``max_long_mixed_batched_tokens``: likewise, where a long prompt's chunk is in it."""
         if schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy {schedule_policy!r} is not one of: {', '.join(SCHEDULE_POLICIES)}")
         self.kv = kv
@@ -135,6 +142,7 @@ class Scheduler:
         self.lpm_aging_steps = lpm_aging_steps
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_mixed_batched_tokens = max_mixed_batched_tokens or max_num_batched_tokens
+        self.max_long_mixed_batched_tokens = max_long_mixed_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.min_token_bucket = min_token_bucket
@@ -285,6 +293,17 @@ class Scheduler:
         )
         return shared - self.kv.cached_length(request) >= self.kv.page_size
 
+    def _long_budget(self, request: Request, cached: int | None = None) -> int | None:
+        """``max_long_mixed_batched_tokens`` if ``request``'s prompt is long: more uncached
+        tokens (``cached``: of its prompt, asked of the prefix cache if None) than a whole
+        step's budget; else None."""
+        long = self.max_long_mixed_batched_tokens
+        if long is None or request.num_prompt_tokens <= self.max_num_batched_tokens:
+            return None
+        if cached is None:
+            cached = self.kv.cached_length(request)
+        return long if request.num_prompt_tokens - cached > self.max_num_batched_tokens else None
+
     def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> bool:
         """Moves a waiting request into the batch with a first chunk; False if it cannot."""
         admitted = self.kv.admit(request, budget)
@@ -345,8 +364,12 @@ class Scheduler:
         if self.kv.leases:
             self.kv.expire_leases()
 
-        def budget() -> int:
-            limit = self.max_mixed_batched_tokens if out.num_decode_tokens else self.max_num_batched_tokens
+        def budget(long: int | None = None) -> int:
+            """Tokens left in the step; ``long``: a long prompt's budget (_long_budget) for its chunk."""
+            if not out.num_decode_tokens:
+                limit = self.max_num_batched_tokens
+            else:
+                limit = min(self.max_mixed_batched_tokens, long) if long else self.max_mixed_batched_tokens
             return max(0, limit - out.num_decode_tokens - out.num_prefill_tokens)
 
         self._reclaim_slot(out)
@@ -369,8 +392,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING or id(request) in scheduled or request.is_prefill_done:
                 continue
-            n = min(request.num_tokens_to_compute, budget())
-            if self._reserve(request, n, out):
+            n = min(request.num_tokens_to_compute, budget(self._long_budget(request, request.num_cached_tokens)))
+            if n and self._reserve(request, n, out):
                 out.scheduled.append((request, n))
                 out.num_prefill_tokens += n
         # The requests whose prompt this step finishes, by prompt length: a twin's possible
@@ -393,7 +416,11 @@ class Scheduler:
                 continue  # preempted with a token in flight: admitted once it is known
             if self._shares_uncached_prefix(request, prefilling):
                 continue  # wait for the running request to cache the shared prefix
-            if not self._admit(request, out, budget()):
+            # (the prefix cache is asked how much of a long prompt it holds only beside decodes)
+            n = budget(self._long_budget(request)) if out.num_decode_tokens else budget()
+            if not n:
+                break  # a long prompt with no room left beside the decodes: first in line next step
+            if not self._admit(request, out, n):
                 break
             admitted, n = out.scheduled[-1]
             if self.kv.prefix_caching and not admitted.is_prefill_done:

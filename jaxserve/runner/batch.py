@@ -30,11 +30,13 @@ def make_buckets(
     min_token_bucket: int = MIN_TOKEN_BUCKET,
     min_seq_bucket: int = 2,
     max_mixed_batched_tokens: int | None = None,
+    max_long_mixed_batched_tokens: int | None = None,
 ) -> tuple[list[int], list[int]]:
     """Token buckets (powers of two from ``min_token_bucket``, then the max, and
     ``max_mixed_batched_tokens``: the size of every step that decodes beside a prefill
-    chunk, padded to no more than itself) and sequence buckets (likewise from
-    ``min_seq_bucket``).
+    chunk, padded to no more than itself; ``max_long_mixed_batched_tokens`` likewise, the
+    size of such a step when the chunk is a long prompt's) and sequence buckets (likewise
+    from ``min_seq_bucket``).
 
     On CPU sequence buckets start at 2 (XLA:CPU's Eigen dots rounded a one-row LM head
     differently; its YNNPACK dots do not, so 2 now only saves a program). Accelerators
@@ -50,8 +52,9 @@ def make_buckets(
         return out + [hi]
 
     tokens = powers(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens)
-    if max_mixed_batched_tokens is not None:
-        tokens = sorted({*tokens, max(max_mixed_batched_tokens, tokens[0])})
+    for budget in (max_mixed_batched_tokens, max_long_mixed_batched_tokens):
+        if budget is not None:
+            tokens = sorted({*tokens, max(budget, tokens[0])})
     return tokens, powers(min(min_seq_bucket, max_num_seqs), max_num_seqs)
 
 

@@ -46,6 +46,7 @@ class RunnerConfig:
     min_token_bucket: int = MIN_TOKEN_BUCKET
     min_seq_bucket: int = 2
     max_mixed_batched_tokens: int | None = None  # one more token bucket (EngineConfig's option)
+    max_long_mixed_batched_tokens: int | None = None  # likewise
     attention_backend: AttentionBackend = REFERENCE
     kv_cache_dtype: str | None = None  # None: the activation dtype
     warmup_scoring: bool = False  # compile_ahead also compiles the prompt-scoring forwards
@@ -64,6 +65,7 @@ class RunnerConfig:
             self.min_token_bucket,
             self.min_seq_bucket,
             self.max_mixed_batched_tokens,
+            self.max_long_mixed_batched_tokens,
         )
 
     @property
