@@ -289,6 +289,17 @@ def test_bench_serve_with_no_server_there_is_one_error(capsys):
             assert err.startswith(f"jaxserve: error: --server {server}: ") and len(err.splitlines()) == 1, err
 
 
+def test_the_interference_workload_is_not_swept(capsys):
+    """Its load is its steady streams and one long prompt each interval: a sweep of
+    --concurrency would run one load under several names (checked before any connection)."""
+    argv = ["bench", "serve", "--workload", "long-prompt-interference", "--server", "127.0.0.1:1"]
+    assert main([*argv, "--concurrency", "4,16"]) == 2
+    assert capsys.readouterr().err == (
+        "jaxserve: error: --workload long-prompt-interference: its load is --steady-streams and --interval; "
+        "sweep --concurrency or --request-rate with random, shared-prefix or multi-turn\n"
+    )
+
+
 def test_bench_variant_errors_name_the_format(capsys):
     assert main(["bench", "offline", "--variant", "nothing"]) == 2
     assert "--variant 'nothing': expected NAME:KEY=VALUE" in capsys.readouterr().err
