@@ -80,8 +80,9 @@ def mixed_budget(cfg: EngineConfig, mcfg: ModelConfig, platform: str, matmul: st
 
 def long_mixed_budget(cfg: EngineConfig, platform: str, mixed: int | None) -> int | None:
     """``max_long_mixed_batched_tokens`` resolved against the resolved mixed budget: ``auto``
-    on a CPU is the largest power of two below it (a token bucket already), if that still
-    leaves a prefill token beside max_num_seqs decodes; else, and on accelerators, null."""
+    on a CPU is the largest power of two below it (with the default buckets, one of them
+    already), if that still leaves a prefill token beside max_num_seqs decodes; else, and
+    on accelerators, null."""
     option = cfg.max_long_mixed_batched_tokens
     if option != "auto":
         return option if option is None or mixed is None else min(option, mixed)
